@@ -1,0 +1,91 @@
+"""Argument checking for gdp_jax's public ops, in one place.
+
+Every check raises ``ValueError`` (wrong shape or value) or ``TypeError`` (wrong dtype or kind) with
+a message that names the argument, what it got and what was expected, so bad input never reaches a
+kernel. All checks read static shapes and dtypes only, so they cost nothing under ``jax.jit``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = ("pallas", "xla", "interpret")
+MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 16, 128
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(np.shape(x))
+
+
+def _dtype(x):
+    return jnp.result_type(x)
+
+
+def check_float_array(name: str, x: Any, rank: int, axes: str) -> tuple[int, ...]:
+    """Checks that ``x`` is a floating-point array of the given rank; returns its shape."""
+    shape = _shape(x)
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have rank {rank} with axes [{axes}]; got shape {shape}")
+    if not jnp.issubdtype(_dtype(x), jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array; got dtype {_dtype(x)}")
+    return shape
+
+
+def check_shape(name: str, x: Any, expected: tuple[int, ...], axes: str) -> None:
+    shape = _shape(x)
+    if shape != tuple(expected):
+        raise ValueError(f"{name} must have shape [{axes}] = {tuple(expected)}; got {shape}")
+
+
+def check_segment_ids(segment_ids: Any, batch: int, tokens: int) -> None:
+    check_shape("segment_ids", segment_ids, (batch, tokens), "B, T")
+    if not jnp.issubdtype(_dtype(segment_ids), jnp.integer):
+        raise TypeError(f"segment_ids must be an integer array; got dtype {_dtype(segment_ids)}")
+
+
+def check_chunk_size(chunk_size: Any) -> int:
+    if (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer))
+            or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE
+            or chunk_size & (chunk_size - 1)):
+        raise ValueError(f"chunk_size must be a power of two in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]; "
+                         f"got {chunk_size!r}")
+    return int(chunk_size)
+
+
+def check_scale(scale: Any, key_dim: int) -> float:
+    if scale is None:
+        return key_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a Python number or None (it is static); got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite; got {scale}")
+    return float(scale)
+
+
+def resolve_implementation(implementation: Optional[str]) -> str:
+    """None -> "pallas" on a GPU backend, "xla" elsewhere; validates explicit choices."""
+    if implementation is None:
+        import jax
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}")
+    return implementation
+
+
+def infer_num_householder(num_householder: Any, q_tokens: int, k_positions: int) -> int:
+    """M from k's expanded length T*M, checked against an explicit num_householder."""
+    if num_householder is None:
+        if q_tokens == 0 or k_positions % q_tokens:
+            raise ValueError(f"k.shape[1] must be a multiple T*M of q.shape[1] = T = {q_tokens}; "
+                             f"got k.shape[1] = {k_positions}")
+        num_householder = k_positions // q_tokens
+    if isinstance(num_householder, bool) or not isinstance(num_householder, (int, np.integer)) \
+            or num_householder < 1:
+        raise ValueError(f"num_householder must be a positive integer; got {num_householder!r}")
+    if k_positions != q_tokens * num_householder:
+        raise ValueError(f"k.shape[1] must be T*M = {q_tokens}*{num_householder} = "
+                         f"{q_tokens * num_householder}; got {k_positions}")
+    return int(num_householder)

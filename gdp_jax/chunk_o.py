@@ -116,7 +116,7 @@ def chunk_o_xla(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
     returns o [B, T, H, V] in v's dtype, accumulated in float32.
     """
     batch, tokens, heads, key_dim = q.shape
-    value_dim, m, bt = v.shape[-1], num_householder, chunk_size
+    value_dim, m, bt, out_dtype = v.shape[-1], num_householder, chunk_size, v.dtype
     num_chunks = -(-tokens // bt)
     pad = num_chunks * bt - tokens
 
@@ -124,6 +124,9 @@ def chunk_o_xla(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
         x = jnp.pad(x, [(0, 0), (0, pad * per_token)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape((batch, num_chunks, bt, per_token) + x.shape[2:])
 
+    if jax.default_backend() == "cpu":
+        # XLA:CPU has no bf16 x bf16 -> f32 dot for every layout; f32 operands are exact anyway.
+        q, k, v, h = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in (q, k, v, h))
     qc = chunked(q, 1)[:, :, :, 0]                                   # [B, NT, BT, H, K]
     kc, vc = chunked(k, m), chunked(v, m)                            # [B, NT, BT, M, H, *]
     causal = jnp.tril(jnp.ones((bt, bt), bool))                      # [t, s], diagonal included
@@ -149,7 +152,7 @@ def chunk_o_xla(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
     inter = jnp.einsum("bnthk,bnhkv->bnthv", qc, h, preferred_element_type=f32)
     inter = inter * jnp.moveaxis(row_weight, 2, 3)[..., None]
     o = scale * (inter + intra)
-    return o.reshape(batch, num_chunks * bt, heads, value_dim)[:, :tokens].astype(v.dtype)
+    return o.reshape(batch, num_chunks * bt, heads, value_dim)[:, :tokens].astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

@@ -28,22 +28,45 @@ _PAD_RUN = jnp.iinfo(jnp.int32).max
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters; chosen per shape by ``kernel_config``."""
-    block_v: int
+    block_v: int                   # value columns of one h / v / o tile
+    value_blocks_per_program: int  # value tiles one program loops over, reusing its q·k scores
+    chunks_per_program: int        # consecutive chunks one program walks, so Triton can prefetch
+    heads_fastest: bool            # launch order: neighbouring programs take neighbouring heads
     num_warps: int
     num_stages: int
 
 
-def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int) -> KernelConfig:
-    """Block and launch sizes for padded (power-of-two) K and V.
+def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int, *,
+                  block_v: int | None = None, value_blocks_per_program: int | None = None,
+                  chunks_per_program: int | None = None, heads_fastest: bool | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> KernelConfig:
+    """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
-    A whole value row per program when it fits (V <= 128), so q and k are read once per chunk;
-    wider V is split to keep the h tile [K, block_v] within one program's registers.
+    Measured on an H200 (jax 0.11.2, bf16, chunk 64, benchmarks/tune_chunk_o.py; RESULTS.md has
+    the tables), at B=8 T=4096 H=16 K=V=128 M=2 unless said otherwise:
+    - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for
+      more of them per SM, so more loads are in flight.
+    - neighbouring programs take neighbouring heads (heads_fastest): 0.307 vs 0.320 ms; together
+      they read one contiguous [BT, H, K] slab of q instead of H strided ones.
+    - all of V in one program (V <= 128: 0.307 ms, vs 0.352 ms with two value programs that each
+      re-read q and k); V = 256 loops over two 128-wide value tiles inside one program, reusing the
+      q·k scores (0.764 ms, vs 0.848 with two programs and 0.903 with 64-wide tiles).
+    - several chunks per program only pays at K = V = 64 (software-pipelined over chunks, 0.240
+      ms at B=4 T=8192 H=32 M=2 vs 0.296 for one chunk); at K = 128 the pipelined buffers exceed
+      shared memory (232 KB) and the unpipelined loop is slower.
     """
-    block_v = value_dim if value_dim * key_dim <= 128 * 128 else max(16, (128 * 64) // key_dim)
-    block_v = min(block_v, value_dim)
-    tile = chunk_size * max(key_dim, block_v)
-    num_warps = 4 if tile <= 64 * 64 else 8
-    return KernelConfig(block_v=block_v, num_warps=num_warps, num_stages=2)
+    small = key_dim <= 64 and value_dim <= 64
+    if block_v is None:
+        block_v = min(value_dim, 128)
+    if value_blocks_per_program is None:
+        value_blocks_per_program = value_dim // block_v
+    return KernelConfig(
+        block_v=block_v,
+        value_blocks_per_program=value_blocks_per_program,
+        chunks_per_program=chunks_per_program or (4 if small and chunk_size <= 64 else 1),
+        heads_fastest=(not small) if heads_fastest is None else heads_fastest,
+        num_warps=num_warps or 4,
+        num_stages=num_stages or 2)
 
 
 def _load_rows(ref, row_valid, other=0):
@@ -53,7 +76,8 @@ def _load_rows(ref, row_valid, other=0):
 
 
 def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, tokens: int,
-                    has_g: bool, has_segments: bool):
+                    num_chunks: int, chunks_per_program: int, block_v: int,
+                    value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -62,47 +86,63 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
     runs_ref = refs.pop(0) if has_segments else None
     (o_ref,) = refs
 
-    chunk = pl.program_id(1)
+    first_chunk = pl.program_id(chunk_axis) * chunks_per_program
     t_in_chunk = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0)
-    row_valid = chunk * chunk_size + t_in_chunk < tokens           # last chunk may be partial
+    t_ids = jax.lax.broadcasted_iota(jnp.int32, (chunk_size, chunk_size), 0)
+    s_ids = jax.lax.broadcasted_iota(jnp.int32, (chunk_size, chunk_size), 1)
+    causal = s_ids <= t_ids                                         # s <= t, diagonal included
 
-    q = _load_rows(q_ref, row_valid)                                # [BT, K], read once
-    state = h_ref[...]                                              # [K, BV]
-    dot_dtype = jnp.promote_types(q.dtype, state.dtype)
+    def one_chunk(i, carry):
+        chunk_rows = pl.ds(i * chunk_size, chunk_size)              # this chunk within the block
+        row_valid = (first_chunk + i) * chunk_size + t_in_chunk < tokens   # last chunk may be partial
 
-    # Carried-state term: [same(t, c0)] * 2^g[t] * q[t]·h[c], the row weight applied in f32.
-    o = plgpu.dot(q.astype(dot_dtype), state.astype(dot_dtype))       # [BT, BV] f32
-    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk_size, chunk_size), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (chunk_size, chunk_size), 1)
-    pair_mask = cols <= rows                                        # s <= t, diagonal included
-    row_weight = None
-    if has_g:
-        g = _load_rows(g_ref, row_valid)                            # [BT] f32 log2 decays
-        row_weight = jnp.exp2(g)
-    if has_segments:
-        run = _load_rows(runs_ref, row_valid, other=_PAD_RUN)       # [BT] run numbers
-        pair_mask &= run[:, None] == run[None, :]                   # same(s, t)
-        live_at_c0 = run == jnp.min(run)                            # runs never decrease along T
-        row_weight = (jnp.where(live_at_c0, row_weight, 0.0) if has_g
-                      else live_at_c0.astype(jnp.float32))
-    if row_weight is not None:
-        o = o * row_weight[:, None]
+        q = _load_rows(q_ref.at[chunk_rows], row_valid)             # [BT, K], read once
+        pair_mask = causal
+        row_weight = None                                           # weight of q[t]·h[c]
+        if has_g:
+            g = _load_rows(g_ref.at[chunk_rows], row_valid)         # [BT] f32 log2 decays
+            row_weight = jnp.exp2(g)
+        if has_segments:
+            run = _load_rows(runs_ref.at[chunk_rows], row_valid, other=_PAD_RUN)  # [BT] run numbers
+            pair_mask &= run[:, None] == run[None, :]               # same(s, t)
+            live_at_c0 = run == jnp.min(run)                        # runs never decrease along T
+            row_weight = (jnp.where(live_at_c0, row_weight, 0.0) if has_g
+                          else live_at_c0.astype(jnp.float32))
 
-    # Intra-chunk term, all M Householder copies against the one query tile.
-    if has_g:
-        pair_weight = jnp.where(pair_mask, jnp.exp2(g[:, None] - g[None, :]), 0.0)
-    for k_ref, v_ref in zip(k_refs, v_refs):
-        k = _load_rows(k_ref, row_valid)                            # [BT, K]
-        v = _load_rows(v_ref, row_valid)                            # [BT, BV]
-        scores = plgpu.dot(q, k, trans_b=True)                         # [BT, BT] f32, q[t]·k[s]
-        scores = scores * pair_weight if has_g else jnp.where(pair_mask, scores, 0.0)
-        o += plgpu.dot(scores.astype(v.dtype), v)
+        # Decayed, masked scores 2^(g[t]-g[s]) q[t]·k[s] of every Householder copy, computed once
+        # and reused for every value tile.
+        if has_g:
+            pair_weight = jnp.where(pair_mask, jnp.exp2(g[:, None] - g[None, :]), 0.0)
+        scores = []
+        for k_ref in k_refs:
+            k = _load_rows(k_ref.at[chunk_rows], row_valid)         # [BT, K]
+            score = plgpu.dot(q, k, trans_b=True)                   # [BT, BT] f32
+            score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
+            scores.append(score.astype(v_refs[0].dtype))
 
-    plgpu.store(o_ref, (scale * o).astype(o_ref.dtype), mask=row_valid[:, None])
+        for j in range(value_blocks_per_program):
+            value_cols = pl.ds(j * block_v, block_v)
+            state = h_ref[i, :, value_cols]                               # [K, BV]
+            dot_dtype = jnp.promote_types(q.dtype, state.dtype)
+            # Carried-state term [same(t, c0)] 2^g[t] q[t]·h[c], the row weight applied in f32.
+            o = plgpu.dot(q.astype(dot_dtype), state.astype(dot_dtype))   # [BT, BV] f32
+            if row_weight is not None:
+                o = o * row_weight[:, None]
+            for score, v_ref in zip(scores, v_refs):                # intra-chunk term, all M copies
+                o += plgpu.dot(score, _load_rows(v_ref.at[chunk_rows, value_cols], row_valid))
+            plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
+                        mask=row_valid[:, None])
+        return carry
+
+    if chunks_per_program == 1:
+        one_chunk(0, None)
+    else:
+        # The last program may own fewer chunks; a dynamic trip count keeps h reads in bounds.
+        jax.lax.fori_loop(0, jnp.minimum(chunks_per_program, num_chunks - first_chunk), one_chunk, None)
 
 
 def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_householder: int,
-                   interpret: bool = False) -> jax.Array:
+                   interpret: bool = False, config: KernelConfig | None = None) -> jax.Array:
     """o [B, T, H, V] from validated inputs; K and V must be powers of two >= 16.
 
     q [B, T, H, K]; k [B, T*M, H, K]; v [B, T*M, H, V] (same dtype as q and k); h [B, NT, H, K, V];
@@ -112,16 +152,28 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
     value_dim = v.shape[-1]
     m = num_householder
     num_chunks = h.shape[1]
-    cfg = kernel_config(key_dim, value_dim, chunk_size, m)
-    block_v = cfg.block_v
-    grid = (pl.cdiv(value_dim, block_v), num_chunks, batch * heads)  # value blocks vary fastest
+    cfg = config or kernel_config(key_dim, value_dim, chunk_size, m)
+    cpp, block_t = cfg.chunks_per_program, cfg.chunks_per_program * chunk_size
+    block_v = cfg.block_v * cfg.value_blocks_per_program           # value columns of one program
+    # Grid axes, first varying fastest in launch order: value splits, then chunks or heads.
+    if cfg.heads_fastest:
+        grid = (value_dim // block_v, heads, pl.cdiv(num_chunks, cpp), batch)
+        tile_ids = lambda vb, hd, c, b: (vb, c, b, hd)
+    else:
+        grid = (value_dim // block_v, pl.cdiv(num_chunks, cpp), heads, batch)
+        tile_ids = lambda vb, c, hd, b: (vb, c, b, hd)
+    chunk_axis = 2 if cfg.heads_fastest else 1
 
     def token_spec(block_width, copy=0, blocked_width=True):
-        # A [BT, block_width] tile of a [B, T, M*H, width] array: copy `copy` of head h is
+        # A [cpp*BT, block_width] tile of a [B, T, M*H, width] array: copy `copy` of head h is
         # "head" copy*H + h. Only value-width operands are split into value blocks.
-        return pl.BlockSpec((None, chunk_size, None, block_width),
-                            lambda vb, c, bh: (bh // heads, c, copy * heads + bh % heads,
-                                               vb if blocked_width else 0))
+        def index_map(*pids):
+            vb, c, b, hd = tile_ids(*pids)
+            return b, c, copy * heads + hd, vb if blocked_width else 0
+        return pl.BlockSpec((None, block_t, None, block_width), index_map)
+
+    def spec(block_shape, index_map):
+        return pl.BlockSpec(block_shape, lambda *pids: index_map(*tile_ids(*pids)))
 
     k_copies = k.reshape(batch, tokens, m * heads, key_dim)
     v_copies = v.reshape(batch, tokens, m * heads, value_dim)
@@ -129,18 +181,18 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
     in_specs = ([token_spec(key_dim, blocked_width=False)]
                 + [token_spec(key_dim, i, blocked_width=False) for i in range(m)]
                 + [token_spec(block_v, i) for i in range(m)]
-                + [pl.BlockSpec((None, None, None, key_dim, block_v),
-                                lambda vb, c, bh: (bh // heads, c, bh % heads, 0, vb))])
+                + [spec((None, cpp, None, key_dim, block_v), lambda vb, c, b, hd: (b, c, hd, 0, vb))])
     if g is not None:
         operands.append(g)
-        in_specs.append(pl.BlockSpec((None, chunk_size, None), lambda vb, c, bh: (bh // heads, c, bh % heads)))
+        in_specs.append(spec((None, block_t, None), lambda vb, c, b, hd: (b, c, hd)))
     if runs is not None:
         operands.append(runs)
-        in_specs.append(pl.BlockSpec((None, chunk_size), lambda vb, c, bh: (bh // heads, c)))
+        in_specs.append(spec((None, block_t), lambda vb, c, b, hd: (b, c)))
 
     kernel = functools.partial(
         _chunk_o_kernel, num_householder=m, scale=scale, chunk_size=chunk_size, tokens=tokens,
-        has_g=g is not None, has_segments=runs is not None)
+        num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
+        value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis, has_g=g is not None, has_segments=runs is not None)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

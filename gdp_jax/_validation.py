@@ -87,5 +87,6 @@ def infer_num_householder(num_householder: Any, q_tokens: int, k_positions: int)
         raise ValueError(f"num_householder must be a positive integer; got {num_householder!r}")
     if k_positions != q_tokens * num_householder:
         raise ValueError(f"k.shape[1] must be T*M = {q_tokens}*{num_householder} = "
-                         f"{q_tokens * num_householder}; got {k_positions}")
+                         f"{q_tokens * num_householder} for num_householder={num_householder}; "
+                         f"got {k_positions} (k.shape[1] / T = {k_positions / q_tokens:g})")
     return int(num_householder)

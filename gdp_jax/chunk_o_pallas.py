@@ -32,6 +32,7 @@ class KernelConfig:
     value_blocks_per_program: int  # value tiles one program loops over, reusing its q·k scores
     chunks_per_program: int        # consecutive chunks one program walks, so Triton can prefetch
     heads_fastest: bool            # launch order: neighbouring programs take neighbouring heads
+    evict_first: bool              # hint that every input is streamed once (L2 eviction policy)
     num_warps: int
     num_stages: int
 
@@ -39,7 +40,8 @@ class KernelConfig:
 def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int, *,
                   block_v: int | None = None, value_blocks_per_program: int | None = None,
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> KernelConfig:
+                  evict_first: bool = False, num_warps: int | None = None,
+                  num_stages: int | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     Measured on an H200 (jax 0.11.2, bf16, chunk 64, benchmarks/tune_chunk_o.py; RESULTS.md has
@@ -65,19 +67,22 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         value_blocks_per_program=value_blocks_per_program,
         chunks_per_program=chunks_per_program or (4 if small and chunk_size <= 64 else 1),
         heads_fastest=(not small) if heads_fastest is None else heads_fastest,
+        evict_first=evict_first,
         num_warps=num_warps or 4,
         num_stages=num_stages or 2)
 
 
-def _load_rows(ref, row_valid, other=0):
+def _load_rows(ref, row_valid, other=0, evict_first=False):
     """Masked load of a [rows, ...] tile; rows past the end of the sequence read ``other``."""
     mask = row_valid.reshape(row_valid.shape + (1,) * (len(ref.shape) - 1))
-    return plgpu.load(ref, mask=mask, other=other)
+    return plgpu.load(ref, mask=mask, other=other,
+                      eviction_policy="evict_first" if evict_first else None)
 
 
 def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, tokens: int,
                     num_chunks: int, chunks_per_program: int, block_v: int,
-                    value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool):
+                    value_blocks_per_program: int, chunk_axis: int, evict_first: bool, has_g: bool,
+                    has_segments: bool):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -96,14 +101,15 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
         chunk_rows = pl.ds(i * chunk_size, chunk_size)              # this chunk within the block
         row_valid = (first_chunk + i) * chunk_size + t_in_chunk < tokens   # last chunk may be partial
 
-        q = _load_rows(q_ref.at[chunk_rows], row_valid)             # [BT, K], read once
+        load_rows = functools.partial(_load_rows, row_valid=row_valid, evict_first=evict_first)
+        q = load_rows(q_ref.at[chunk_rows])                         # [BT, K], read once
         pair_mask = causal
         row_weight = None                                           # weight of q[t]·h[c]
         if has_g:
-            g = _load_rows(g_ref.at[chunk_rows], row_valid)         # [BT] f32 log2 decays
+            g = load_rows(g_ref.at[chunk_rows])                     # [BT] f32 log2 decays
             row_weight = jnp.exp2(g)
         if has_segments:
-            run = _load_rows(runs_ref.at[chunk_rows], row_valid, other=_PAD_RUN)  # [BT] run numbers
+            run = load_rows(runs_ref.at[chunk_rows], other=_PAD_RUN)  # [BT] run numbers
             pair_mask &= run[:, None] == run[None, :]               # same(s, t)
             live_at_c0 = run == jnp.min(run)                        # runs never decrease along T
             row_weight = (jnp.where(live_at_c0, row_weight, 0.0) if has_g
@@ -115,21 +121,22 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
             pair_weight = jnp.where(pair_mask, jnp.exp2(g[:, None] - g[None, :]), 0.0)
         scores = []
         for k_ref in k_refs:
-            k = _load_rows(k_ref.at[chunk_rows], row_valid)         # [BT, K]
+            k = load_rows(k_ref.at[chunk_rows])                     # [BT, K]
             score = plgpu.dot(q, k, trans_b=True)                   # [BT, BT] f32
             score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
             scores.append(score.astype(v_refs[0].dtype))
 
         for j in range(value_blocks_per_program):
             value_cols = pl.ds(j * block_v, block_v)
-            state = h_ref[i, :, value_cols]                               # [K, BV]
+            state = plgpu.load(h_ref.at[i, :, value_cols],          # [K, BV]
+                               eviction_policy="evict_first" if evict_first else None)
             dot_dtype = jnp.promote_types(q.dtype, state.dtype)
             # Carried-state term [same(t, c0)] 2^g[t] q[t]·h[c], the row weight applied in f32.
             o = plgpu.dot(q.astype(dot_dtype), state.astype(dot_dtype))   # [BT, BV] f32
             if row_weight is not None:
                 o = o * row_weight[:, None]
             for score, v_ref in zip(scores, v_refs):                # intra-chunk term, all M copies
-                o += plgpu.dot(score, _load_rows(v_ref.at[chunk_rows, value_cols], row_valid))
+                o += plgpu.dot(score, load_rows(v_ref.at[chunk_rows, value_cols]))
             plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
                         mask=row_valid[:, None])
         return carry
@@ -192,7 +199,8 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
     kernel = functools.partial(
         _chunk_o_kernel, num_householder=m, scale=scale, chunk_size=chunk_size, tokens=tokens,
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
-        value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis, has_g=g is not None, has_segments=runs is not None)
+        value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
+        evict_first=cfg.evict_first, has_g=g is not None, has_segments=runs is not None)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

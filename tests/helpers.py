@@ -31,9 +31,10 @@ def random_segment_ids(rng, batch, tokens, chunk_size, kind="several"):
 
 
 def make_problem(seed, *, batch=2, tokens=77, heads=2, key_dim=32, value_dim=16, m=2, chunk_size=16,
-                 gated=True, segments=True, dtype=np.float32, initial_state=True):
+                 gated=True, segments=True, dtype=np.float32, initial_state=True, segment_ids=None):
     """Random q, k, v, beta, g_raw (+ ids) and the float64 recurrence over them.
 
+    ``segment_ids`` ([B, T] ints) replaces the random packing that ``segments=True`` would draw.
     Returns dict with chunk_o inputs (q, k, v_new, h, g in ``dtype``/float32) and ``o_ref`` float64.
     """
     rng = np.random.default_rng(seed)
@@ -44,7 +45,10 @@ def make_problem(seed, *, batch=2, tokens=77, heads=2, key_dim=32, value_dim=16,
     beta = rng.uniform(0.05, 1.95, size=(batch, tokens * m, heads))
     g_raw = -rng.uniform(0.0, 0.25, size=(batch, tokens, heads)) if gated else None
     state0 = 0.5 * rng.normal(size=(batch, heads, key_dim, value_dim)) if initial_state else None
-    seg = random_segment_ids(rng, batch, tokens, chunk_size) if segments else None
+    if segment_ids is not None:
+        seg = np.asarray(segment_ids, np.int32)
+    else:
+        seg = random_segment_ids(rng, batch, tokens, chunk_size) if segments else None
     # Round inputs to the test dtype first, so the reference sees exactly what the op sees.
     cast = lambda x: None if x is None else np.asarray(jnp.asarray(x, dtype), np.float64)
     q, k, v = cast(q), cast(k), cast(v)

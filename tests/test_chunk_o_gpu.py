@@ -58,3 +58,25 @@ def test_jit_vmap_grad_on_gpu():
     grads_xla = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2, 3, 4)))(*args)
     for a, b in zip(grads, grads_xla):
         assert rel_err(a, b) < 2e-3
+
+
+def test_long_row_past_32_bit_indexing():
+    """One row of 2^20 tokens: k, v and h each hold 2^32 elements (8.6 GB in bf16), so element
+    offsets pass 2^31. Checked against the jnp path on slices at the start, middle and end."""
+    b, t, hd, kd, vd, m, bt = 1, 1 << 20, 16, 128, 128, 2, 64
+    nt = t // bt
+    keys = jax.random.split(jax.random.PRNGKey(3), 5)
+    dt = jnp.bfloat16
+    q = jax.random.normal(keys[0], (b, t, hd, kd), dt)
+    k = (jax.random.normal(keys[1], (b, t * m, hd, kd), dt) * kd ** -0.5).astype(dt)
+    v = (0.1 * jax.random.normal(keys[2], (b, t * m, hd, vd), dt)).astype(dt)
+    h = (0.1 * jax.random.normal(keys[3], (b, nt, hd, kd, vd), dt)).astype(dt)
+    g = jnp.cumsum(-0.05 * jax.random.uniform(keys[4], (b, nt, bt, hd)), axis=2).reshape(b, t, hd)
+    assert k.size > 2 ** 32 - 1 and h.size > 2 ** 31
+    o = gdp_jax.chunk_gdp_fwd_o(q, k, v, h, g, implementation="pallas")
+    for first_chunk in (0, nt // 2 + 3, nt - 2):
+        tok = slice(first_chunk * bt, (first_chunk + 2) * bt)
+        pos = slice(tok.start * m, tok.stop * m)
+        expected = gdp_jax.chunk_gdp_fwd_o(q[:, tok], k[:, pos], v[:, pos], h[:, first_chunk:first_chunk + 2],
+                                           g[:, tok], implementation="xla")
+        assert rel_err(o[:, tok], np.asarray(expected.astype(jnp.float32))) < 2e-2

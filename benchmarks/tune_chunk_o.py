@@ -88,8 +88,8 @@ def sweep(kd, vd, m, full):
         for stages in ((2, 3) if full else (2,)):
             out.append(dict(block_v=bv, value_blocks_per_program=vbpp, heads_fastest=hf, num_stages=stages))
     if full:  # launch-level knobs, on the headline shape
-        for warps, evict in itertools.product((2, 4), (False, True)):
-            out.append(dict(num_warps=warps, evict_first=evict))
+        for warps in (2, 4, 8):
+            out.append(dict(num_warps=warps))
     if kd <= 64:  # pipelining over chunks fits shared memory only for narrow tiles
         for cpp, hf, stages in itertools.product((2, 4, 8), (False, True), (2, 3)):
             out.append(dict(chunks_per_program=cpp, heads_fastest=hf, num_stages=stages))

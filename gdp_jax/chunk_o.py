@@ -1,8 +1,9 @@
 """chunk_gdp_fwd_o: the chunk-output stage of Gated DeltaProduct (SPEC.md, "Chunked form").
 
-Public function, its ``jax.custom_vjp`` and the pure-jnp ("xla") path live here; the Pallas kernel
-is in ``chunk_o_pallas.py``. All implementations share one custom_vjp, so gradients are the same
-whichever forward ran.
+Public function, its ``jax.custom_vjp`` and the pure-jnp ("xla") path live here; the Pallas kernels
+are in ``chunk_o_pallas.py`` (forward) and ``chunk_o_bwd_pallas.py`` (backward). One custom_vjp
+covers every implementation: "xla" differentiates the jnp path, "pallas" and "interpret" run the
+fused backward kernel, and both compute the exact VJP of SPEC's chunked form.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _validation as val
+from gdp_jax.chunk_o_bwd_pallas import chunk_o_bwd_pallas
 from gdp_jax.chunk_o_pallas import chunk_o_pallas
 from gdp_jax.segments import segment_runs
 
@@ -93,15 +95,39 @@ def _forward(q, k, v, h, g, runs, config: _Config):
 
 
 def _pallas_padded(q, k, v, h, g, runs, **kwargs):
-    """Zero-pads K and V to powers of two >= 16 (Triton's tile rule); zeros change no dot product."""
+    """The forward kernel on K and V zero-padded to Triton tile widths, cut back after."""
+    (q, k, v, h), unpad = _pad_to_tiles(q, k, v, h)
+    return unpad(value=chunk_o_pallas(q, k, v, h, g, runs, **kwargs))
+
+
+def _pallas_bwd_padded(q, k, v, h, g, runs, do, **kwargs):
+    """The fused backward kernels on K and V zero-padded to Triton tile widths, cut back after."""
+    (q, k, v, h, do), unpad = _pad_to_tiles(q, k, v, h, do.astype(v.dtype))
+    dq, dk, dv, dh, dg = chunk_o_bwd_pallas(q, k, v, h, g, runs, do, **kwargs)
+    return unpad(key=dq), unpad(key=dk), unpad(value=dv), unpad(state=dh), dg
+
+
+def _pad_to_tiles(q, k, v, h, *value_width_arrays):
+    """Zero-pads K and V to powers of two >= 16 (Triton's tile rule); zeros change no dot product.
+
+    Returns the padded (q, k, v, h, *value_width_arrays) and ``unpad(key=|value=|state=x)``, which
+    cuts a result with padded K, V or [K, V] trailing axes back to the caller's widths.
+    """
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     key_pad, value_pad = _tile_width(key_dim) - key_dim, _tile_width(value_dim) - value_dim
-    if key_pad or value_pad:
-        pad_last = lambda x, n: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n)])
-        q, k, v = pad_last(q, key_pad), pad_last(k, key_pad), pad_last(v, value_pad)
-        h = jnp.pad(h, [(0, 0)] * 3 + [(0, key_pad), (0, value_pad)])
-    o = chunk_o_pallas(q, k, v, h, g, runs, **kwargs)
-    return o[..., :value_dim] if value_pad else o
+    pad_last = lambda x, n: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n)]) if n else x
+    padded = (pad_last(q, key_pad), pad_last(k, key_pad), pad_last(v, value_pad),
+              jnp.pad(h, [(0, 0)] * 3 + [(0, key_pad), (0, value_pad)]) if key_pad or value_pad else h,
+              *(pad_last(x, value_pad) for x in value_width_arrays))
+
+    def unpad(key=None, value=None, state=None):
+        if key is not None:
+            return key[..., :key_dim]
+        if value is not None:
+            return value[..., :value_dim]
+        return state[..., :key_dim, :value_dim]
+
+    return padded, unpad
 
 
 def _tile_width(n: int) -> int:
@@ -130,7 +156,10 @@ def chunk_o_xla(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
     qc = chunked(q, 1)[:, :, :, 0]                                   # [B, NT, BT, H, K]
     kc, vc = chunked(k, m), chunked(v, m)                            # [B, NT, BT, M, H, *]
     causal = jnp.tril(jnp.ones((bt, bt), bool))                      # [t, s], diagonal included
-    pair_mask = jnp.broadcast_to(causal, (batch, num_chunks, 1, bt, bt))
+    # Padding rows t >= T are masked too: their g is 0, so 2^(g[t]-g[s]) could overflow there.
+    real_row = (jnp.arange(num_chunks * bt) < tokens).reshape(num_chunks, bt)
+    pair_mask = causal & real_row[:, :, None]                        # [NT, t, s]
+    pair_mask = jnp.broadcast_to(pair_mask[None, :, None], (batch, num_chunks, 1, bt, bt))
     row_weight = jnp.ones((batch, num_chunks, 1, bt), jnp.float32)    # weight of q[t]·h[c]
     if runs is not None:
         rc = chunked(runs, 1)[:, :, :, 0]                            # [B, NT, BT]
@@ -166,17 +195,22 @@ def _chunk_o_fwd(q, k, v, h, g, runs, config):
 
 def _chunk_o_bwd(config, residuals, do):
     q, k, v, h, g, runs = residuals
+    g32 = None if g is None else g.astype(jnp.float32)
     kwargs = dict(scale=config.scale, chunk_size=config.chunk_size,
                   num_householder=config.num_householder)
-    if g is None:
-        _, vjp = jax.vjp(lambda *a: chunk_o_xla(*a, None, runs, **kwargs), q, k, v, h)
-        dq, dk, dv, dh = vjp(do)
-        dg = None
+    if config.implementation == "xla":
+        if g is None:
+            _, vjp = jax.vjp(lambda *a: chunk_o_xla(*a, None, runs, **kwargs), q, k, v, h)
+            dq, dk, dv, dh = vjp(do)
+            dg = None
+        else:
+            _, vjp = jax.vjp(lambda *a: chunk_o_xla(*a, runs, **kwargs), q, k, v, h, g32)
+            dq, dk, dv, dh, dg = vjp(do)
     else:
-        _, vjp = jax.vjp(lambda *a: chunk_o_xla(*a, runs, **kwargs), q, k, v, h, g.astype(jnp.float32))
-        dq, dk, dv, dh, dg = vjp(do)
-        dg = dg.astype(g.dtype)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dh.astype(h.dtype), dg, None)
+        dq, dk, dv, dh, dg = _pallas_bwd_padded(q, k, v, h, g32, runs, do,
+                                                interpret=config.implementation == "interpret", **kwargs)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dh.astype(h.dtype),
+            None if g is None else dg.astype(g.dtype), None)
 
 
 _chunk_o.defvjp(_chunk_o_fwd, _chunk_o_bwd)

@@ -32,7 +32,6 @@ class KernelConfig:
     value_blocks_per_program: int  # value tiles one program loops over, reusing its q·k scores
     chunks_per_program: int        # consecutive chunks one program walks, so Triton can prefetch
     heads_fastest: bool            # launch order: neighbouring programs take neighbouring heads
-    evict_first: bool              # hint that every input is streamed once (L2 eviction policy)
     num_warps: int
     num_stages: int
 
@@ -40,22 +39,23 @@ class KernelConfig:
 def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int, *,
                   block_v: int | None = None, value_blocks_per_program: int | None = None,
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
-                  evict_first: bool = False, num_warps: int | None = None,
-                  num_stages: int | None = None) -> KernelConfig:
+                  num_warps: int | None = None, num_stages: int | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     Measured on an H200 (jax 0.11.2, bf16, chunk 64, benchmarks/tune_chunk_o.py; RESULTS.md has
     the tables), at B=8 T=4096 H=16 K=V=128 M=2 unless said otherwise:
     - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for
       more of them per SM, so more loads are in flight.
-    - neighbouring programs take neighbouring heads (heads_fastest): 0.307 vs 0.320 ms; together
-      they read one contiguous [BT, H, K] slab of q instead of H strided ones.
+    - neighbouring programs take neighbouring heads (heads_fastest): 0.307 vs 0.320 ms (0.229 vs
+      0.244 at K = V = 64); together they read one contiguous [BT, H, K] slab of q instead of H
+      strided ones.
     - all of V in one program (V <= 128: 0.307 ms, vs 0.352 ms with two value programs that each
       re-read q and k); V = 256 loops over two 128-wide value tiles inside one program, reusing the
       q·k scores (0.764 ms, vs 0.848 with two programs and 0.903 with 64-wide tiles).
-    - several chunks per program only pays at K = V = 64 (software-pipelined over chunks, 0.240
-      ms at B=4 T=8192 H=32 M=2 vs 0.296 for one chunk); at K = 128 the pipelined buffers exceed
+    - several chunks per program only pays at K = V = 64 (software-pipelined over 4 chunks, 0.229
+      ms at B=4 T=8192 H=32 M=2 vs 0.297 for one chunk); at K = 128 the pipelined buffers exceed
       shared memory (232 KB) and the unpipelined loop is slower.
+    - not measured to help: 2 warps (0.55 ms), an evict-first L2 hint on the loads (0.313 ms).
     """
     small = key_dim <= 64 and value_dim <= 64
     if block_v is None:
@@ -66,23 +66,20 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         block_v=block_v,
         value_blocks_per_program=value_blocks_per_program,
         chunks_per_program=chunks_per_program or (4 if small and chunk_size <= 64 else 1),
-        heads_fastest=(not small) if heads_fastest is None else heads_fastest,
-        evict_first=evict_first,
+        heads_fastest=True if heads_fastest is None else heads_fastest,
         num_warps=num_warps or 4,
         num_stages=num_stages or 2)
 
 
-def _load_rows(ref, row_valid, other=0, evict_first=False):
+def _load_rows(ref, row_valid, other=0):
     """Masked load of a [rows, ...] tile; rows past the end of the sequence read ``other``."""
     mask = row_valid.reshape(row_valid.shape + (1,) * (len(ref.shape) - 1))
-    return plgpu.load(ref, mask=mask, other=other,
-                      eviction_policy="evict_first" if evict_first else None)
+    return plgpu.load(ref, mask=mask, other=other)
 
 
 def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, tokens: int,
                     num_chunks: int, chunks_per_program: int, block_v: int,
-                    value_blocks_per_program: int, chunk_axis: int, evict_first: bool, has_g: bool,
-                    has_segments: bool):
+                    value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -101,7 +98,7 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
         chunk_rows = pl.ds(i * chunk_size, chunk_size)              # this chunk within the block
         row_valid = (first_chunk + i) * chunk_size + t_in_chunk < tokens   # last chunk may be partial
 
-        load_rows = functools.partial(_load_rows, row_valid=row_valid, evict_first=evict_first)
+        load_rows = functools.partial(_load_rows, row_valid=row_valid)
         q = load_rows(q_ref.at[chunk_rows])                         # [BT, K], read once
         pair_mask = causal
         row_weight = None                                           # weight of q[t]·h[c]
@@ -128,8 +125,7 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
 
         for j in range(value_blocks_per_program):
             value_cols = pl.ds(j * block_v, block_v)
-            state = plgpu.load(h_ref.at[i, :, value_cols],          # [K, BV]
-                               eviction_policy="evict_first" if evict_first else None)
+            state = h_ref[i, :, value_cols]                         # [K, BV]
             dot_dtype = jnp.promote_types(q.dtype, state.dtype)
             # Carried-state term [same(t, c0)] 2^g[t] q[t]·h[c], the row weight applied in f32.
             o = plgpu.dot(q.astype(dot_dtype), state.astype(dot_dtype))   # [BT, BV] f32
@@ -199,8 +195,7 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
     kernel = functools.partial(
         _chunk_o_kernel, num_householder=m, scale=scale, chunk_size=chunk_size, tokens=tokens,
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
-        value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
-        evict_first=cfg.evict_first, has_g=g is not None, has_segments=runs is not None)
+        value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis, has_g=g is not None, has_segments=runs is not None)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

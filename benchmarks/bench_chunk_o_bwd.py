@@ -1,0 +1,376 @@
+#!/usr/bin/env python3
+"""Benchmark the fused Pallas backward of chunk_gdp_fwd_o against the Pallas forward and the jnp VJP.
+
+Run on a GPU box from the repo root:
+
+    PYTHONPATH=. python3 benchmarks/bench_chunk_o_bwd.py --out $OUT/bwd.json        # default shapes, bf16
+    PYTHONPATH=. python3 benchmarks/bench_chunk_o_bwd.py --shapes tiny --interpret  # CPU logic check
+
+What it times, per shape (each jitted; all take the same rotated input sets):
+  * pallas_bwd: gdp_jax.chunk_o_bwd_pallas.chunk_o_bwd_pallas -> (dq, dk, dv, dh, dg);
+  * pallas_fwd: gdp_jax.chunk_o_pallas.chunk_o_pallas -> o (the forward, for scale);
+  * xla_vjp:    jax.vjp(chunk_o_xla, q, k, v, h, g)[1](do), i.e. the backward the op used before the
+                kernel (XLA drops forward work the cotangents don't need);
+  * op_bwd (with --op): the backward of the public op, jax.vjp(chunk_gdp_fwd_o(implementation="pallas")),
+                forward included (whatever chunk_o.py's custom_vjp currently runs).
+
+Method: `--sets` (default 3) independent input sets are rotated through every timed loop so the L2 never
+holds a whole working set; each function is compiled and run once per set (warm-up), then timed as the
+wall clock of N back-to-back calls ended by block_until_ready, divided by N; the median of `--reps`
+such loops is reported. N is picked so one loop lasts about `--target-ms`.
+
+Bandwidth floor of the backward = bytes of (q, k, v, h, g, do [, runs]) read once + (dq, dk, dv, dh, dg)
+written once, over the device copy bandwidth measured here (a large elementwise jnp copy, read + write
+bytes / time). "% floor" = floor / pallas_bwd time (100 % = running at copy bandwidth). The forward's
+floor (inputs read once + o written once) is reported too.
+
+Sanity: relative Frobenius error of each Pallas cotangent against xla_vjp on input set 0 (max over the
+five is in the table). Nothing is asserted: failures are printed and the run goes on. The table is last.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+LOG2E = 1.0 / math.log(2.0)
+
+SHAPE_SETS = {
+    "default": [
+        dict(B=8, T=4096, H=16, K=128, V=128, M=1),
+        dict(B=8, T=4096, H=16, K=128, V=128, M=2),
+        dict(B=8, T=4096, H=16, K=128, V=128, M=3),
+        dict(B=4, T=8192, H=32, K=64, V=64, M=2),
+    ],
+    "quick": [dict(B=8, T=4096, H=16, K=128, V=128, M=2)],
+    # Checks the script's logic on a CPU (with --interpret); the numbers mean nothing.
+    "tiny": [dict(B=1, T=100, H=2, K=32, V=32, M=2), dict(B=1, T=64, H=2, K=16, V=32, M=1, segs=3)],
+}
+IMPLS = ("pallas_bwd", "pallas_fwd", "xla_vjp", "op_bwd")
+
+
+def parse_shapes(spec: str):
+    if spec in SHAPE_SETS:
+        return [dict(s) for s in SHAPE_SETS[spec]]
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        d = {}
+        for kv in item.split(","):
+            key, val = kv.split("=")
+            d[key.strip()] = int(val)
+        d.setdefault("V", d.get("K"))
+        missing = {"B", "T", "H", "K", "V", "M"} - set(d)
+        if missing:
+            raise SystemExit(f"shape {item!r} lacks {sorted(missing)}")
+        out.append(d)
+    return out
+
+
+def shape_label(s):
+    lab = f"B{s['B']} T{s['T']} H{s['H']} K{s['K']}"
+    if s.get("V", s["K"]) != s["K"]:
+        lab += f" V{s['V']}"
+    lab += f" M{s['M']}"
+    if s.get("segs"):
+        lab += f" seg{s['segs']}"
+    return lab
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="shape sets: " + "; ".join(f"{k}: " + ", ".join(map(shape_label, v))
+                                           for k, v in SHAPE_SETS.items())
+        + '.\nCustom: --shapes "B=8,T=4096,H=16,K=128,V=128,M=2,segs=8;B=1,T=512,H=4,K=64,M=1"')
+    p.add_argument("--shapes", default="default",
+                   help="a named set (default, quick, tiny) or "
+                        "'B=..,T=..,H=..,K=..[,V=..],M=..[,segs=..];...'")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    p.add_argument("--chunk", type=int, default=64, help="chunk size BT (default 64)")
+    p.add_argument("--no-g", action="store_true", help="time without the decay g (dg is then not produced)")
+    p.add_argument("--op", action="store_true", help="also time the public op's backward (op_bwd)")
+    p.add_argument("--config", default="",
+                   help="override the backward's launch config, e.g. 'block_k=64,block_v=64,num_warps=4' "
+                        "(fields of gdp_jax.chunk_o_bwd_pallas.BwdKernelConfig)")
+    p.add_argument("--interpret", action="store_true",
+                   help="run the Pallas kernels in Pallas' interpreter (CPU logic check only)")
+    p.add_argument("--sets", type=int, default=3,
+                   help="input sets rotated in timing loops (default 3, at least 3)")
+    p.add_argument("--reps", type=int, default=5, help="timed loops per measurement; median reported")
+    p.add_argument("--target-ms", type=float, default=150.0, help="aim for this much wall time per loop")
+    p.add_argument("--max-iters", type=int, default=300)
+    p.add_argument("--copy-mb", type=float, default=2048.0, help="copy-bandwidth buffer size (MB)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write JSON results here")
+    args = p.parse_args(argv)
+    args.sets = max(3, args.sets)
+    return args
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def short_exc(e: BaseException, limit: int = 400) -> str:
+    msg = f"{type(e).__name__}: {e}"
+    return msg if len(msg) <= limit else msg[:limit] + " ..."
+
+
+# ------------------------------------------------------------------------------------------- timing
+def time_jax(fn, sets, *, target_s, reps, max_iters):
+    """Median over reps of (wall time of N rotated back-to-back calls, then block_until_ready) / N, ms."""
+    import jax
+    ns = len(sets)
+    for s in sets:                                   # compile, and warm every set
+        jax.block_until_ready(fn(*s))
+    t0 = time.perf_counter()
+    out = None
+    for i in range(ns):
+        out = fn(*sets[i])
+    jax.block_until_ready(out)
+    est = (time.perf_counter() - t0) / ns
+    n = max(ns, min(max_iters, int(target_s / max(est, 1e-7))))
+    n = int(math.ceil(n / ns) * ns)
+    times = []
+    for _ in range(reps):
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for i in range(n):
+            out = fn(*sets[i % ns])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / n * 1e3)
+    del out
+    return statistics.median(times), dict(n=n, reps=reps, loop_ms=times)
+
+
+def copy_bandwidth(args, on_cpu):
+    """Bytes read + written per second by a large elementwise jnp copy (two buffers, rotated)."""
+    import jax
+    import jax.numpy as jnp
+    mb = min(args.copy_mb, 64.0) if on_cpu else args.copy_mb
+    n = int(mb * 2**20) // 4
+    bufs = [(jnp.full((n,), float(i), jnp.float32),) for i in range(2)]
+    f = jax.jit(lambda a: a * 1.0009765625 + 1.0)    # reads n*4 bytes, writes n*4 bytes
+    ms, info = time_jax(f, bufs, target_s=args.target_ms / 1e3, reps=args.reps, max_iters=args.max_iters)
+    del bufs
+    gc.collect()
+    return dict(GBps=2 * n * 4 / (ms / 1e3) / 1e9, ms=ms, bytes=2 * n * 4, timing=info)
+
+
+# -------------------------------------------------------------------------------------------- inputs
+def make_set(key, shp, dtype, bt, gated, segs, rng):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from gdp_jax.segments import segment_runs
+
+    B, T, H, K, V, M = (shp[c] for c in "BTHKVM")
+    NT = -(-T // bt)
+
+    @jax.jit
+    def gen(key):
+        kq, kk, kv, kh, kg, kd = jax.random.split(key, 6)
+        q = jax.random.normal(kq, (B, T, H, K), jnp.float32).astype(dtype)
+        k = jax.random.normal(kk, (B, T * M, H, K), jnp.float32)
+        k = (k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + 1e-6)).astype(dtype)
+        v = (0.1 * jax.random.normal(kv, (B, T * M, H, V), jnp.float32)).astype(dtype)
+        h = (0.1 * jax.random.normal(kh, (B, NT, H, K, V), jnp.float32)).astype(dtype)
+        g_raw = -jax.nn.softplus(jax.random.normal(kg, (B, T, H), jnp.float32) - 2.0)
+        x = jnp.pad(g_raw * LOG2E, ((0, 0), (0, NT * bt - T), (0, 0)))
+        g = jnp.cumsum(x.reshape(B, NT, bt, H), axis=2).reshape(B, NT * bt, H)[:, :T]
+        do = jax.random.normal(kd, (B, T, H, V), jnp.float32).astype(dtype)
+        return q, k, v, h, g, do
+
+    q, k, v, h, g, do = jax.block_until_ready(gen(key))
+    runs = None
+    if segs:
+        ids = np.zeros((B, T), np.int32)
+        for b in range(B):
+            cuts = np.sort(rng.choice(np.arange(1, T), size=min(segs, T) - 1, replace=False))
+            ids[b] = np.searchsorted(cuts, np.arange(T), side="right")
+        runs = segment_runs(jnp.asarray(ids))
+    return q, k, v, h, (g if gated else None), runs, do
+
+
+def nbytes(*arrs):
+    return int(sum(a.size * a.dtype.itemsize for a in arrs if a is not None))
+
+
+# ----------------------------------------------------------------------------------------------- main
+def main(argv=None):
+    args = parse_args(argv)
+    shapes = parse_shapes(args.shapes)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gdp_jax.chunk_o import chunk_o_xla
+    from gdp_jax.chunk_o_bwd_pallas import bwd_kernel_config, chunk_o_bwd_pallas
+    from gdp_jax.chunk_o_pallas import chunk_o_pallas
+
+    dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[args.dtype]
+    dev = jax.devices()[0]
+    on_cpu = dev.platform == "cpu"
+    bt = args.chunk
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                jax=jax.__version__, device=str(getattr(dev, "device_kind", dev)), platform=dev.platform,
+                python=platform.python_version(), host=platform.node(), args=vars(args))
+    log(f"jax {meta['jax']} on {meta['device']} ({dev.platform}); dtype {args.dtype}; chunk {bt}; "
+        f"g {'off' if args.no_g else 'on'}; sets {args.sets}; interpret {args.interpret}")
+    if on_cpu and not args.interpret:
+        log("note: no GPU; the Pallas kernels need --interpret here")
+
+    bw = copy_bandwidth(args, on_cpu)
+    log(f"copy bandwidth: {bw['GBps']:.0f} GB/s ({bw['bytes'] / 1e6:.0f} MB moved in {bw['ms']:.3f} ms)")
+    bw_Bps = bw["GBps"] * 1e9
+
+    relerr = jax.jit(lambda a, b: jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                     / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for si, shp in enumerate(shapes):
+        shp.setdefault("V", shp["K"])
+        shp.setdefault("segs", 0)
+        B, T, H, K, V, M = (shp[c] for c in "BTHKVM")
+        label = shape_label(shp)
+        kw = dict(scale=K ** -0.5, chunk_size=bt, num_householder=M)
+        cfg = bwd_kernel_config(K, V, bt, M, jnp.dtype(dtype).itemsize)
+        if args.config:
+            cfg = dataclasses.replace(cfg, **{key.strip(): int(val) for key, val in
+                                              (item.split("=") for item in args.config.split(","))})
+        row = dict(shape=label, dtype=args.dtype, chunk=bt, gated=not args.no_g, **shp,
+                   bwd_config=dataclasses.asdict(cfg))
+        log(f"\n=== [{si + 1}/{len(shapes)}] {label} {args.dtype} === bwd config {row['bwd_config']}")
+        t_shape = time.perf_counter()
+        try:
+            keys = jax.random.split(jax.random.PRNGKey(args.seed * 1000 + si), args.sets)
+            sets = [make_set(keys[i], shp, dtype, bt, not args.no_g, shp["segs"], rng)
+                    for i in range(args.sets)]
+        except Exception as e:  # noqa: BLE001
+            log("input generation failed:", short_exc(e))
+            rows.append(dict(row, error=short_exc(e)))
+            continue
+
+        q, k, v, h, g, runs, do = sets[0]
+        read = nbytes(q, k, v, h, g, runs, do)
+        written = nbytes(q, k, v, h) + (0 if g is None else g.size * 4)   # dq, dk, dv, dh, dg (f32)
+        row["bwd_bytes"] = read + written
+        row["fwd_bytes"] = nbytes(q, k, v, h, g, runs) + nbytes(do)        # o has do's size and dtype
+        row["bwd_floor_ms"] = row["bwd_bytes"] / bw_Bps * 1e3
+        row["fwd_floor_ms"] = row["fwd_bytes"] / bw_Bps * 1e3
+        log(f"backward moves {row['bwd_bytes'] / 1e6:.1f} MB at best -> floor {row['bwd_floor_ms']:.4g} ms; "
+            f"forward {row['fwd_bytes'] / 1e6:.1f} MB -> {row['fwd_floor_ms']:.4g} ms")
+
+        def xla_vjp(q, k, v, h, g, runs, do):
+            if g is None:
+                _, vjp = jax.vjp(lambda q, k, v, h: chunk_o_xla(q, k, v, h, None, runs, **kw), q, k, v, h)
+                return tuple(vjp(do)) + (None,)
+            _, vjp = jax.vjp(lambda *a: chunk_o_xla(*a, runs, **kw), q, k, v, h, g)
+            return vjp(do)
+
+        def op_bwd(q, k, v, h, g, runs, do):
+            from gdp_jax import chunk_gdp_fwd_o
+            # runs (non-decreasing run numbers) are valid segment ids themselves.
+            impl = "interpret" if args.interpret else "pallas"
+            f = lambda *a: chunk_gdp_fwd_o(*a, segment_ids=runs, implementation=impl, **kw)
+            primals = (q, k, v, h) if g is None else (q, k, v, h, g)
+            if g is None:
+                f = lambda q, k, v, h, _f=f: _f(q, k, v, h, None)
+            _, vjp = jax.vjp(f, *primals)
+            return vjp(do)
+
+        fns = dict(
+            pallas_bwd=jax.jit(lambda q, k, v, h, g, runs, do: chunk_o_bwd_pallas(
+                q, k, v, h, g, runs, do, interpret=args.interpret, config=cfg, **kw)),
+            pallas_fwd=jax.jit(lambda q, k, v, h, g, runs, do: chunk_o_pallas(
+                q, k, v, h, g, runs, interpret=args.interpret, **kw)),
+            xla_vjp=jax.jit(xla_vjp),
+        )
+        if args.op:
+            fns["op_bwd"] = jax.jit(op_bwd)
+        outs = {}
+        for name, fn in fns.items():
+            try:
+                ms, info = time_jax(fn, sets, target_s=args.target_ms / 1e3, reps=args.reps,
+                                    max_iters=args.max_iters)
+                row[f"{name}_ms"], row[f"{name}_timing"] = ms, info
+                floor = row["fwd_floor_ms"] if name == "pallas_fwd" else row["bwd_floor_ms"]
+                row[f"{name}_pct_floor"] = 100.0 * floor / ms
+                log(f"{name:>10}: {ms:.4g} ms  ({row[f'{name}_pct_floor']:.0f} % of floor, N={info['n']})")
+                if name in ("pallas_bwd", "xla_vjp"):
+                    outs[name] = jax.block_until_ready(fn(*sets[0]))
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_error"] = short_exc(e)
+                log(f"{name:>10}: FAILED {short_exc(e)}")
+                traceback.print_exc(limit=4)
+        if "pallas_bwd_ms" in row and "pallas_fwd_ms" in row:
+            row["bwd_over_fwd"] = row["pallas_bwd_ms"] / row["pallas_fwd_ms"]
+        if "pallas_bwd_ms" in row and "xla_vjp_ms" in row:
+            row["xla_over_pallas"] = row["xla_vjp_ms"] / row["pallas_bwd_ms"]
+        if len(outs) == 2:
+            try:
+                errs = {n: float(relerr(a, b)) for n, a, b in
+                        zip(("dq", "dk", "dv", "dh", "dg"), outs["pallas_bwd"], outs["xla_vjp"])
+                        if a is not None}
+                row["relerr_vs_xla"] = errs
+                row["relerr_max"] = max(errs.values())
+                row["finite"] = all(bool(jnp.all(jnp.isfinite(a)))
+                                    for a in outs["pallas_bwd"] if a is not None)
+                log("relerr pallas_bwd vs xla_vjp: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items())
+                    + f"; finite {row['finite']}")
+            except Exception as e:  # noqa: BLE001
+                log("relerr failed:", short_exc(e))
+        row["wall_s"] = time.perf_counter() - t_shape
+        rows.append(row)
+        del sets, outs, fns
+        gc.collect()
+
+    result = dict(meta=meta, copy_bandwidth=bw, rows=rows)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1, default=str)
+        log(f"\nwrote {args.out}")
+    print_table(rows, meta, bw)
+    return result
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
+
+
+def print_table(rows, meta, bw):
+    hdr = ["shape", "dtype", "bwd ms", "% floor", "floor ms", "fwd ms", "bwd/fwd", "xla vjp ms",
+           "xla/bwd", "op bwd ms", "relerr max"]
+    lines = []
+    for r in rows:
+        ms = lambda n: _fmt(r.get(f"{n}_ms")) if f"{n}_ms" in r else ("ERR" if f"{n}_error" in r else "-")
+        lines.append([r["shape"], r["dtype"], ms("pallas_bwd"), _fmt(r.get("pallas_bwd_pct_floor"), ".0f"),
+                      _fmt(r.get("bwd_floor_ms")), ms("pallas_fwd"), _fmt(r.get("bwd_over_fwd"), ".2f"),
+                      ms("xla_vjp"), _fmt(r.get("xla_over_pallas"), ".2f"), ms("op_bwd"),
+                      _fmt(r.get("relerr_max"), ".2e")])
+    widths = [max([len(h)] + [len(l[i]) for l in lines]) for i, h in enumerate(hdr)]
+    print()
+    print(f"device {meta['device']} | jax {meta['jax']} | copy bandwidth {bw['GBps']:.0f} GB/s | "
+          "% floor = floor / bwd (floor: inputs + do read once, cotangents written once); "
+          "xla/bwd > 1 means the kernel is faster")
+    print(" | ".join(h.ljust(w) for h, w in zip(hdr, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for l in lines:
+        print(" | ".join(c.ljust(w) for c, w in zip(l, widths)))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    main()

@@ -1,0 +1,206 @@
+"""The fused backward kernel of chunk_o (chunk_o_bwd_pallas) against jax.vjp of the jnp path.
+
+CPU: the kernel in Pallas' interpreter on small shapes; the jnp path's own VJP checked against float64
+finite differences. GPU (marked, skipped elsewhere): the compiled Triton kernel at realistic shapes.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdp_jax import reference
+from gdp_jax.chunk_o import chunk_o_xla
+from gdp_jax.chunk_o_bwd_pallas import BwdKernelConfig, chunk_o_bwd_pallas
+from gdp_jax.segments import segment_runs
+from helpers import make_problem, random_segment_ids, rel_err
+
+NAMES = ("dq", "dk", "dv", "dh", "dg")
+
+
+def _inputs(seed, *, tokens, m, chunk_size, key_dim, value_dim, gated, segments, dtype=np.float32,
+            h_dtype=None, batch=2, heads=2):
+    """Random primal inputs and cotangent. The VJP needs no consistent (h, v_new), so unlike
+    ``make_problem`` this skips the recurrence (its compile per shape would dominate these tests)."""
+    rng = np.random.default_rng(seed)
+    num_chunks = -(-tokens // chunk_size)
+    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    k = normal(batch, tokens * m, heads, key_dim)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = None
+    if gated:
+        g_raw = -rng.uniform(0.0, 0.25, size=(batch, tokens, heads)).astype(np.float32)
+        g = reference.chunk_local_log2_cumsum(jnp.asarray(g_raw), chunk_size).astype(jnp.float32)
+    runs = (segment_runs(jnp.asarray(random_segment_ids(rng, batch, tokens, chunk_size)))
+            if segments else None)
+    cast = lambda x, dt=dtype: jnp.asarray(x, dt)
+    args = (cast(normal(batch, tokens, heads, key_dim)), cast(k),
+            cast(normal(batch, tokens * m, heads, value_dim)),
+            cast(0.5 * normal(batch, num_chunks, heads, key_dim, value_dim), h_dtype or dtype),
+            g, runs, cast(normal(batch, tokens, heads, value_dim)))
+    return args, dict(scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "num_householder"))
+def _xla_vjp(q, k, v, h, g, runs, do, **kw):
+    """jax.vjp of chunk_o_xla, evaluated in float32 (full-precision dots) on the given values."""
+    f32 = lambda x: None if x is None else x.astype(jnp.float32)
+    primals = [f32(x) for x in (q, k, v, h)] + ([] if g is None else [f32(g)])
+    fn = lambda q, k, v, h, g=None: chunk_o_xla(q, k, v, h, g, runs, **kw)
+    with jax.default_matmul_precision("highest"):
+        _, vjp = jax.vjp(fn, *primals)
+        grads = vjp(f32(do))
+    return tuple(grads) + ((None,) if g is None else ())
+
+
+def _check(args, kw, tol, interpret=True):
+    q, k, v, h, g, runs, do = args
+    got = chunk_o_bwd_pallas(*args, interpret=interpret, **kw)
+    want = _xla_vjp(*args, **kw)
+    primals = (q, k, v, h, g)
+    for name, x, ref, primal in zip(NAMES, got, want, primals):
+        if primal is None:
+            assert x is None, name
+            continue
+        assert x.shape == primal.shape, (name, x.shape, primal.shape)
+        want_dtype = jnp.float32 if name == "dg" else primal.dtype
+        assert x.dtype == want_dtype, (name, x.dtype)
+        err = rel_err(x, ref)
+        assert err < tol, f"{name}: relative error {err:.3g} >= {tol}"
+
+
+# A covering grid rather than the full product (interpret mode is slow): every (T, M) pair meets every
+# (g, segments) combination; chunk size and the K/V shape alternate across it so each meets both values.
+_GRID = [(tokens, m, gated, segments)
+         for tokens in (64, 77) for m in (1, 2, 3)
+         for gated, segments in ((True, True), (False, False), (True, False), (False, True))]
+
+
+@pytest.mark.parametrize("tokens,m,gated,segments", _GRID)
+def test_float32_against_xla_vjp(tokens, m, gated, segments):
+    i = _GRID.index((tokens, m, gated, segments))
+    chunk_size = (16, 32)[(i + i // 4) % 2]
+    key_dim, value_dim = ((32, 16), (16, 32))[(i // 2) % 2]
+    args, kw = _inputs(i, tokens=tokens, m=m, chunk_size=chunk_size, key_dim=key_dim,
+                       value_dim=value_dim, gated=gated, segments=segments)
+    _check(args, kw, 1e-5)
+
+
+@pytest.mark.parametrize("m,h_dtype", [(1, None), (2, None), (3, None), (2, jnp.float32)])
+def test_bfloat16_against_xla_vjp(m, h_dtype):
+    args, kw = _inputs(100 + m, tokens=77, m=m, chunk_size=16, key_dim=32, value_dim=16, gated=True,
+                       segments=True, dtype=jnp.bfloat16, h_dtype=h_dtype)
+    _check(args, kw, 2e-2)
+
+
+@pytest.mark.parametrize("key_dim,value_dim,gated", [(256, 128, True), (16, 256, False)])
+def test_default_blocks_of_wide_heads(key_dim, value_dim, gated):
+    """K or V wider than the default blocks: 2 key x 2 value blocks, then 1 x 2."""
+    args, kw = _inputs(7, tokens=40, m=2, chunk_size=16, key_dim=key_dim, value_dim=value_dim,
+                       gated=gated, segments=True, batch=1, heads=1)
+    _check(args, kw, 1e-5)
+
+
+def test_config_override_splits_key_and_value_blocks():
+    """block_k = 16 < K = 32 and block_v = 16 < V = 64: 2 x 4 blocks, with M = 3, g and segments."""
+    args, kw = _inputs(9, tokens=45, m=3, chunk_size=16, key_dim=32, value_dim=64, gated=True,
+                       segments=True, batch=1, heads=2)
+    config = BwdKernelConfig(block_k=16, block_v=16, num_warps=4, num_stages=1)
+    got = chunk_o_bwd_pallas(*args, interpret=True, config=config, **kw)
+    for name, x, ref in zip(NAMES, got, _xla_vjp(*args, **kw)):
+        assert rel_err(x, ref) < 1e-5, name
+    bad = BwdKernelConfig(block_k=32, block_v=48, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="block_v"):
+        chunk_o_bwd_pallas(*args, interpret=True, config=bad, **kw)
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_strong_decay_in_partial_chunk_stays_finite(interpret):
+    """Padding rows of the last chunk must not form 2^(0 - g[s]) = inf (inf * 0 = NaN in dk, dv, dg).
+
+    Two steps of -100 (log2) near the end of the partial last chunk put g below -128 there. Reference:
+    the jnp path on the problem padded to whole chunks by hand (padding rows repeat the last real g, so
+    nothing overflows), cut back to T.
+    """
+    tokens, chunk_size, m, dim = 40, 16, 2, 16
+    args, kw = _inputs(3, tokens=tokens, m=m, chunk_size=chunk_size, key_dim=dim, value_dim=dim,
+                       gated=False, segments=False, batch=1, heads=2)
+    q, k, v, h, _, _, do = args
+    steps = np.full((1, tokens, 2), -0.5, np.float32)
+    steps[:, tokens - 2:] = -100.0
+    g = jnp.asarray(np.concatenate([np.cumsum(steps[:, i:i + chunk_size], axis=1)
+                                    for i in range(0, tokens, chunk_size)], axis=1))
+    assert float(g.min()) < -128
+    got = chunk_o_bwd_pallas(q, k, v, h, g, None, do, interpret=interpret, **kw)
+    for name, x in zip(NAMES, got):
+        assert bool(jnp.all(jnp.isfinite(x))), name
+
+    extra = -(-tokens // chunk_size) * chunk_size - tokens
+    pad = lambda x, n, mode="constant": jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), mode=mode)
+    want = _xla_vjp(pad(q, extra), pad(k, extra * m), pad(v, extra * m), h, pad(g, extra, "edge"), None,
+                    pad(do, extra), **kw)
+    want = [want[0][:, :tokens], want[1][:, :tokens * m], want[2][:, :tokens * m], want[3],
+            want[4][:, :tokens]]
+    for name, x, ref in zip(NAMES, got, want):
+        assert rel_err(x, ref) < (1e-5 if interpret else 2e-3), name
+
+
+def test_under_jit():
+    args, kw = _inputs(11, tokens=50, m=2, chunk_size=16, key_dim=16, value_dim=16, gated=True,
+                       segments=True, batch=1, heads=2)
+    got = jax.jit(functools.partial(chunk_o_bwd_pallas, interpret=True, **kw))(*args)
+    want = chunk_o_bwd_pallas(*args, interpret=True, **kw)
+    for name, x, ref in zip(NAMES, got, want):
+        assert rel_err(x, ref) < 1e-6, name
+
+
+def test_xla_vjp_against_finite_differences():
+    """The reference above is itself right: central differences of chunk_o_xla at float64 inputs.
+
+    chunk_o_xla accumulates in float32 even for float64 inputs, so the loss carries float32 rounding;
+    eps = 1e-2 keeps that below ~1e-5 relative (q, k, v, h enter linearly, so the central difference is
+    exact for them; for g its O(eps^2) error is ~1e-6). A wrong gradient is off by O(1).
+    """
+    with jax.enable_x64(True):
+        tokens, m, chunk_size, dim = 21, 2, 16, 16
+        p = make_problem(5, batch=1, tokens=tokens, heads=2, key_dim=dim, value_dim=dim, m=m,
+                         chunk_size=chunk_size, dtype=np.float64)
+        runs = segment_runs(p["segment_ids"])
+        kw = dict(scale=dim ** -0.5, chunk_size=chunk_size, num_householder=m)
+        primals = [jnp.asarray(p[n], jnp.float64) for n in ("q", "k", "v", "h", "g")]
+        rng = np.random.default_rng(6)
+        weights = jnp.asarray(rng.normal(size=p["o_ref"].shape))
+        loss = jax.jit(lambda *a: jnp.sum(weights * chunk_o_xla(*a, runs, **kw)))
+        grads = jax.grad(loss, argnums=tuple(range(5)))(*primals)
+        eps = 1e-2
+        for i, name in enumerate(NAMES):
+            direction = jnp.asarray(rng.normal(size=primals[i].shape))
+            plus = [x + eps * direction if j == i else x for j, x in enumerate(primals)]
+            minus = [x - eps * direction if j == i else x for j, x in enumerate(primals)]
+            numeric = float(loss(*plus) - loss(*minus)) / (2 * eps)
+            analytic = float(jnp.sum(grads[i] * direction))
+            assert abs(numeric - analytic) <= 1e-4 * abs(analytic), (name, numeric, analytic)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dim", [128, 256])
+@pytest.mark.parametrize("gated,segments", [(True, True), (False, False)])
+def test_gpu_against_xla_vjp(dtype, dim, gated, segments):
+    """The compiled Triton kernel; tf32 dots for float32 inputs (SPEC: 2e-3), bf16 2e-2."""
+    args, kw = _inputs(dim + gated, tokens=1000, m=2, chunk_size=64, key_dim=dim, value_dim=dim,
+                       gated=gated, segments=segments, dtype=dtype, batch=2, heads=4)
+    _check(args, kw, 2e-3 if dtype == np.float32 else 2e-2, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,chunk_size,key_dim,value_dim", [(1, 64, 64, 64), (3, 64, 128, 128),
+                                                            (2, 32, 128, 256), (2, 128, 64, 128),
+                                                            (3, 16, 16, 32)])
+def test_gpu_shapes(m, chunk_size, key_dim, value_dim):
+    args, kw = _inputs(m + key_dim, tokens=333, m=m, chunk_size=chunk_size, key_dim=key_dim,
+                       value_dim=value_dim, gated=True, segments=True, dtype=jnp.bfloat16, batch=2,
+                       heads=3)
+    _check(args, kw, 2e-2, interpret=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,13 +57,19 @@ def check_chunk_size(chunk_size: Any) -> int:
 
 
 def check_scale(scale: Any, key_dim: int) -> float:
+    """None -> K ** -0.5; otherwise a concrete finite real number (it is baked into the kernel)."""
     if scale is None:
         return key_dim ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a Python number or None (it is static); got {type(scale).__name__}")
-    if not math.isfinite(float(scale)):
+    try:
+        if isinstance(scale, (bool, str, bytes)) or np.ndim(scale) != 0:
+            raise TypeError
+        value = float(scale)
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        raise TypeError(f"scale must be a concrete real number or None (it is static, not traced); "
+                        f"got {type(scale).__name__} {scale!r}") from None
+    if not math.isfinite(value):
         raise ValueError(f"scale must be finite; got {scale}")
-    return float(scale)
+    return value
 
 
 def resolve_implementation(implementation: Optional[str]) -> str:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import gdp_jax
-from helpers import make_problem, rel_err
+from helpers import dense_chunked_form, make_problem, rel_err, segment_run_numbers
 
 IMPLEMENTATIONS = ["xla", "interpret"]
 TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}   # SPEC: f32 on CPU, half inputs
@@ -205,44 +205,6 @@ def test_repeated_id_does_not_join_segments(implementation):
 
 # ----------------------------------------------------------------------------------------------
 # Gradients against autodiff of an independent dense statement of the chunked form.
-
-def segment_run_numbers(segment_ids, batch, tokens):
-    """[B, T] run numbers in numpy (a new run wherever the id changes); zeros without ids."""
-    if segment_ids is None:
-        return np.zeros((batch, tokens), np.int64)
-    ids = np.asarray(segment_ids)
-    changes = np.concatenate([np.zeros((batch, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-    return np.cumsum(changes, axis=1)
-
-
-def dense_chunked_form(q, k, v, h, g, segment_ids, *, scale, chunk_size):
-    """SPEC's chunked form with one [T, T*M] weight matrix per row and head, no chunk reshapes.
-
-    Weight of key position j (token s = j // M) for query t: nonzero iff s and t share a global
-    chunk id, s <= t and s, t are in one segment; then 2^(g[t] - g[s]). The state term of t uses
-    h[t // chunk_size], weighted by 2^g[t] iff t is in the segment live at its chunk's first token.
-    """
-    batch, tokens, heads, _ = q.shape
-    m = k.shape[1] // tokens
-    token = np.arange(tokens)
-    source = np.arange(tokens * m) // m                              # token of each key position
-    chunk_of = token // chunk_size
-    run = segment_run_numbers(segment_ids, batch, tokens)
-    mask = ((chunk_of[:, None] == chunk_of[source][None, :]) & (source[None, :] <= token[:, None]))
-    mask = mask[None] & (run[:, :, None] == run[:, source][:, None, :])        # [B, T, T*M]
-    live = run == run[:, chunk_of * chunk_size]                                  # [B, T]
-    mask, live = jnp.asarray(mask)[:, None], jnp.asarray(live)                   # mask [B, 1, T, T*M]
-
-    gt = jnp.zeros((batch, heads, tokens), q.dtype) if g is None else jnp.moveaxis(g, 1, 2)
-    exponent = jnp.where(mask, gt[..., :, None] - gt[..., source][..., None, :], 0.0)
-    weight = jnp.where(mask, jnp.exp2(exponent), 0.0)                           # [B, H, T, T*M]
-    hi = jax.lax.Precision.HIGHEST
-    scores = jnp.einsum("bthk,bjhk->bhtj", q, k, precision=hi)
-    intra = jnp.einsum("bhtj,bjhv->bthv", scores * weight, v, precision=hi)
-    state = jnp.einsum("bthk,bthkv->bthv", q, h[:, chunk_of], precision=hi)
-    state_weight = live[:, :, None] * jnp.exp2(jnp.moveaxis(gt, 1, 2))          # [B, T, H]
-    return scale * (intra + state_weight[..., None] * state)
-
 
 def _to64(x):
     return None if x is None else jnp.asarray(np.asarray(jnp.asarray(x, jnp.float32), np.float64))

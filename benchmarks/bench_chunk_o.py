@@ -28,10 +28,8 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -39,7 +37,10 @@ import traceback
 # JAX and torch share the GPU in this process: JAX must not grab 75 % of memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-LOG2E = 1.0 / math.log(2.0)
+from bench_common import (LOG2E, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
+                          short_exc, shape_label, time_jax, time_torch)
+from gdp_jax.reference import chunk_local_log2_cumsum as chunk_cumsum_log2
+
 FLA_DEVICE = "cuda"  # where fla's extra tensors (cu_seqlens) go
 
 # Named shape sets. segs = segments per row (random lengths) passed as segment_ids; 0 = unpacked.
@@ -67,26 +68,6 @@ IMPLS_OURS = ("pallas", "xla", "interpret")
 
 
 # ----------------------------------------------------------------------------------------------- args
-def parse_shapes(spec: str):
-    if spec in SHAPE_SETS:
-        return [dict(s) for s in SHAPE_SETS[spec]]
-    out = []
-    for item in spec.split(";"):
-        item = item.strip()
-        if not item:
-            continue
-        d = dict(segs=0)
-        for kv in item.split(","):
-            key, val = kv.split("=")
-            d[key.strip()] = int(val)
-        d.setdefault("V", d.get("K"))
-        missing = {"B", "T", "H", "K", "V", "M"} - set(d)
-        if missing:
-            raise SystemExit(f"shape {item!r} lacks {sorted(missing)}")
-        out.append(d)
-    return out
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -115,86 +96,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def shape_label(s):
-    lab = f"B{s['B']} T{s['T']} H{s['H']} K{s['K']}"
-    if s.get("V", s["K"]) != s["K"]:
-        lab += f" V{s['V']}"
-    lab += f" M{s['M']}"
-    if s.get("segs"):
-        lab += f" seg{s['segs']}"
-    return lab
-
-
-def short_exc(e: BaseException, limit: int = 400) -> str:
-    msg = f"{type(e).__name__}: {e}"
-    return msg if len(msg) <= limit else msg[:limit] + " ..."
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-# ------------------------------------------------------------------------------------------- timing
-def _pick_n(est_s, target_s, nsets, max_iters):
-    n = int(target_s / max(est_s, 1e-7))
-    n = max(nsets, min(max_iters, n))
-    return int(math.ceil(n / nsets) * nsets)
-
-
-def time_jax(fn, sets, *, target_s, reps, max_iters):
-    """Median over reps of (wall time of N rotated back-to-back calls, after block_until_ready) / N, in ms."""
-    import jax
-    ns = len(sets)
-    for s in sets:  # compile + warm every set
-        jax.block_until_ready(fn(*s))
-    t0 = time.perf_counter()
-    out = None
-    for i in range(ns):
-        out = fn(*sets[i % ns])
-    jax.block_until_ready(out)
-    est = (time.perf_counter() - t0) / ns
-    n = _pick_n(est, target_s, ns, max_iters)
-    times = []
-    for _ in range(reps):
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for i in range(n):
-            out = fn(*sets[i % ns])
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / n * 1e3)
-    del out
-    return statistics.median(times), dict(n=n, reps=reps, loop_ms=times)
-
-
-def time_torch(fn, sets, *, target_s, reps, max_iters):
-    """Same as time_jax but with torch.cuda.Event around the loop; returns ms."""
-    import torch
-    ns = len(sets)
-    for s in sets:
-        fn(*s)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(ns):
-        fn(*sets[i % ns])
-    end.record()
-    end.synchronize()
-    est = start.elapsed_time(end) / 1e3 / ns
-    n = _pick_n(est, target_s, ns, max_iters)
-    times, wall = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        start.record()
-        for i in range(n):
-            fn(*sets[i % ns])
-        end.record()
-        end.synchronize()
-        wall.append((time.perf_counter() - t0) / n * 1e3)
-        times.append(start.elapsed_time(end) / n)
-    return statistics.median(times), dict(n=n, reps=reps, loop_ms=times, wall_loop_ms=wall)
-
-
 def do_bench_rotated(fn, sets):
     import triton
     ctr = [0]
@@ -210,53 +111,7 @@ def do_bench_rotated(fn, sets):
         return float(triton.testing.do_bench(call, warmup=25, rep=200))
 
 
-# ----------------------------------------------------------------------------------------- bandwidth
-def copy_bandwidth(args, on_cpu, torch_mod):
-    import jax
-    import jax.numpy as jnp
-    res = {}
-    mb = min(args.copy_mb, 128.0) if on_cpu else args.copy_mb
-    n = int(mb * 2**20) // 4
-    try:
-        x = jnp.arange(n, dtype=jnp.float32)
-        f = jax.jit(lambda a: a * 1.0009765625 + 1.0)  # elementwise: read n*4 bytes, write n*4 bytes
-        ms, info = time_jax(f, [(x,)], target_s=args.target_ms / 1e3, reps=args.reps,
-                            max_iters=args.max_iters)
-        res["jax_GBps"] = 2 * n * 4 / (ms / 1e3) / 1e9
-        res["jax_ms"] = ms
-        res["bytes"] = 2 * n * 4
-        del x
-    except Exception as e:  # noqa: BLE001
-        log("copy bandwidth (jax) failed:", short_exc(e))
-    gc.collect()
-    if torch_mod is not None and torch_mod.cuda.is_available():
-        torch = torch_mod
-        try:
-            a = torch.empty(n, dtype=torch.float32, device="cuda").fill_(1.0)
-            b = torch.empty_like(a)
-            ms, _ = time_torch(lambda: b.copy_(a), [()], target_s=args.target_ms / 1e3, reps=args.reps,
-                               max_iters=args.max_iters)
-            res["torch_GBps"] = 2 * n * 4 / (ms / 1e3) / 1e9
-            res["torch_ms"] = ms
-            del a, b
-            torch.cuda.empty_cache()
-        except Exception as e:  # noqa: BLE001
-            log("copy bandwidth (torch) failed:", short_exc(e))
-    bws = [res[k] for k in ("jax_GBps", "torch_GBps") if k in res]
-    res["GBps"] = max(bws) if bws else float("nan")
-    return res
-
-
 # -------------------------------------------------------------------------------------------- inputs
-def chunk_cumsum_log2(g_raw, BT):
-    """[B, T, H] natural-log gates -> float32 log2 cumsum restarting every BT tokens (fixed grid)."""
-    import jax.numpy as jnp
-    B, T, H = g_raw.shape
-    NT = -(-T // BT)
-    x = jnp.pad(g_raw.astype(jnp.float32) * LOG2E, ((0, 0), (0, NT * BT - T), (0, 0)))
-    return jnp.cumsum(x.reshape(B, NT, BT, H), axis=2).reshape(B, NT * BT, H)[:, :T]
-
-
 def restart_cumsum(x, start):
     """Inclusive cumsum along axis 1 of x [B, T, H] restarting where start [B, T] (bool) is True."""
     import jax
@@ -304,11 +159,6 @@ def make_set(key, shp, dtype, BT):
     return jax.block_until_ready(gen(key))
 
 
-def nbytes(*arrs):
-    return int(sum(a.size * a.dtype.itemsize for a in arrs if a is not None))
-
-
-# ------------------------------------------------------------------------------------------------ fla
 def load_fla():
     """Returns (torch, fwd_o, prepare_chunk_indices, versions) or raises."""
     import torch
@@ -339,7 +189,7 @@ def to_torch(torch, x):
 # ----------------------------------------------------------------------------------------------- main
 def main(argv=None):
     args = parse_args(argv)
-    shapes = parse_shapes(args.shapes)
+    shapes = _parse_shapes(args.shapes, SHAPE_SETS)
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     bad = [i for i in impls if i not in IMPLS_OURS + ("fla",)]
     if bad:
@@ -549,12 +399,6 @@ def main(argv=None):
         draw_png(rows, meta, bw, png)
     print_table(rows, meta, bw)
     return result
-
-
-def _fmt(x, spec=".3f"):
-    if x is None or (isinstance(x, float) and x != x):
-        return "-"
-    return format(x, spec)
 
 
 def print_table(rows, meta, bw):

@@ -34,15 +34,14 @@ import dataclasses
 import datetime
 import gc
 import json
-import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
 
-LOG2E = 1.0 / math.log(2.0)
+from bench_common import (LOG2E, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
+                          short_exc, shape_label, time_jax)
 
 SHAPE_SETS = {
     "default": [
@@ -56,33 +55,6 @@ SHAPE_SETS = {
     "tiny": [dict(B=1, T=100, H=2, K=32, V=32, M=2), dict(B=1, T=64, H=2, K=16, V=32, M=1, segs=3)],
 }
 IMPLS = ("pallas_bwd", "pallas_fwd", "xla_vjp", "op_bwd")
-
-
-def parse_shapes(spec: str):
-    if spec in SHAPE_SETS:
-        return [dict(s) for s in SHAPE_SETS[spec]]
-    out = []
-    for item in filter(None, (s.strip() for s in spec.split(";"))):
-        d = {}
-        for kv in item.split(","):
-            key, val = kv.split("=")
-            d[key.strip()] = int(val)
-        d.setdefault("V", d.get("K"))
-        missing = {"B", "T", "H", "K", "V", "M"} - set(d)
-        if missing:
-            raise SystemExit(f"shape {item!r} lacks {sorted(missing)}")
-        out.append(d)
-    return out
-
-
-def shape_label(s):
-    lab = f"B{s['B']} T{s['T']} H{s['H']} K{s['K']}"
-    if s.get("V", s["K"]) != s["K"]:
-        lab += f" V{s['V']}"
-    lab += f" M{s['M']}"
-    if s.get("segs"):
-        lab += f" seg{s['segs']}"
-    return lab
 
 
 def parse_args(argv=None):
@@ -116,57 +88,6 @@ def parse_args(argv=None):
     return args
 
 
-def log(*a):
-    print(*a, flush=True)
-
-
-def short_exc(e: BaseException, limit: int = 400) -> str:
-    msg = f"{type(e).__name__}: {e}"
-    return msg if len(msg) <= limit else msg[:limit] + " ..."
-
-
-# ------------------------------------------------------------------------------------------- timing
-def time_jax(fn, sets, *, target_s, reps, max_iters):
-    """Median over reps of (wall time of N rotated back-to-back calls, then block_until_ready) / N, ms."""
-    import jax
-    ns = len(sets)
-    for s in sets:                                   # compile, and warm every set
-        jax.block_until_ready(fn(*s))
-    t0 = time.perf_counter()
-    out = None
-    for i in range(ns):
-        out = fn(*sets[i])
-    jax.block_until_ready(out)
-    est = (time.perf_counter() - t0) / ns
-    n = max(ns, min(max_iters, int(target_s / max(est, 1e-7))))
-    n = int(math.ceil(n / ns) * ns)
-    times = []
-    for _ in range(reps):
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for i in range(n):
-            out = fn(*sets[i % ns])
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / n * 1e3)
-    del out
-    return statistics.median(times), dict(n=n, reps=reps, loop_ms=times)
-
-
-def copy_bandwidth(args, on_cpu):
-    """Bytes read + written per second by a large elementwise jnp copy (two buffers, rotated)."""
-    import jax
-    import jax.numpy as jnp
-    mb = min(args.copy_mb, 64.0) if on_cpu else args.copy_mb
-    n = int(mb * 2**20) // 4
-    bufs = [(jnp.full((n,), float(i), jnp.float32),) for i in range(2)]
-    f = jax.jit(lambda a: a * 1.0009765625 + 1.0)    # reads n*4 bytes, writes n*4 bytes
-    ms, info = time_jax(f, bufs, target_s=args.target_ms / 1e3, reps=args.reps, max_iters=args.max_iters)
-    del bufs
-    gc.collect()
-    return dict(GBps=2 * n * 4 / (ms / 1e3) / 1e9, ms=ms, bytes=2 * n * 4, timing=info)
-
-
-# -------------------------------------------------------------------------------------------- inputs
 def make_set(key, shp, dtype, bt, gated, segs, rng):
     import jax
     import jax.numpy as jnp
@@ -201,14 +122,9 @@ def make_set(key, shp, dtype, bt, gated, segs, rng):
     return q, k, v, h, (g if gated else None), runs, do
 
 
-def nbytes(*arrs):
-    return int(sum(a.size * a.dtype.itemsize for a in arrs if a is not None))
-
-
-# ----------------------------------------------------------------------------------------------- main
 def main(argv=None):
     args = parse_args(argv)
-    shapes = parse_shapes(args.shapes)
+    shapes = _parse_shapes(args.shapes, SHAPE_SETS)
 
     import jax
     import jax.numpy as jnp
@@ -231,7 +147,7 @@ def main(argv=None):
         log("note: no GPU; the Pallas kernels need --interpret here")
 
     bw = copy_bandwidth(args, on_cpu)
-    log(f"copy bandwidth: {bw['GBps']:.0f} GB/s ({bw['bytes'] / 1e6:.0f} MB moved in {bw['ms']:.3f} ms)")
+    log(f"copy bandwidth: {bw['GBps']:.0f} GB/s ({bw['bytes'] / 1e6:.0f} MB moved in {bw['jax_ms']:.3f} ms)")
     bw_Bps = bw["GBps"] * 1e9
 
     relerr = jax.jit(lambda a, b: jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
@@ -343,10 +259,6 @@ def main(argv=None):
         log(f"\nwrote {args.out}")
     print_table(rows, meta, bw)
     return result
-
-
-def _fmt(x, spec=".3f"):
-    return "-" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
 
 
 def print_table(rows, meta, bw):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import gdp_jax
-from helpers import dense_chunked_form, make_problem, rel_err, segment_run_numbers
+from helpers import dense_chunked_form, make_problem, rel_err
 
 IMPLEMENTATIONS = ["xla", "interpret"]
 TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}   # SPEC: f32 on CPU, half inputs

@@ -1,0 +1,161 @@
+"""Helpers shared by the benchmark scripts: shape parsing, timing loops, copy bandwidth.
+
+Timing: jitted JAX functions by wall clock over N back-to-back calls rotating through several input
+sets (so the L2 never holds a working set), after block_until_ready, divided by N, median of `reps`
+loops; torch/fla functions the same way with CUDA events. Copy bandwidth counts bytes read + written.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def parse_shapes(spec: str, shape_sets: dict):
+    """A named set from ``shape_sets`` or 'B=..,T=..,H=..,K=..[,V=..],M=..[,segs=..];...'."""
+    if spec in shape_sets:
+        return [dict(s) for s in shape_sets[spec]]
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        d = dict(segs=0)
+        for kv in item.split(","):
+            key, val = kv.split("=")
+            d[key.strip()] = int(val)
+        d.setdefault("V", d.get("K"))
+        missing = {"B", "T", "H", "K", "V", "M"} - set(d)
+        if missing:
+            raise SystemExit(f"shape {item!r} lacks {sorted(missing)}")
+        out.append(d)
+    return out
+
+
+def shape_label(s):
+    lab = f"B{s['B']} T{s['T']} H{s['H']} K{s['K']}"
+    if s.get("V", s["K"]) != s["K"]:
+        lab += f" V{s['V']}"
+    lab += f" M{s['M']}"
+    if s.get("segs"):
+        lab += f" seg{s['segs']}"
+    return lab
+
+
+def short_exc(e: BaseException, limit: int = 400) -> str:
+    msg = f"{type(e).__name__}: {e}"
+    return msg if len(msg) <= limit else msg[:limit] + " ..."
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+
+
+def _pick_n(est_s, target_s, nsets, max_iters):
+    n = int(target_s / max(est_s, 1e-7))
+    n = max(nsets, min(max_iters, n))
+    return int(math.ceil(n / nsets) * nsets)
+
+
+def time_jax(fn, sets, *, target_s, reps, max_iters):
+    """Median over reps of (wall time of N rotated back-to-back calls, after block_until_ready) / N, in ms."""
+    import jax
+    ns = len(sets)
+    for s in sets:  # compile + warm every set
+        jax.block_until_ready(fn(*s))
+    t0 = time.perf_counter()
+    out = None
+    for i in range(ns):
+        out = fn(*sets[i % ns])
+    jax.block_until_ready(out)
+    est = (time.perf_counter() - t0) / ns
+    n = _pick_n(est, target_s, ns, max_iters)
+    times = []
+    for _ in range(reps):
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for i in range(n):
+            out = fn(*sets[i % ns])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / n * 1e3)
+    del out
+    return statistics.median(times), dict(n=n, reps=reps, loop_ms=times)
+
+
+def time_torch(fn, sets, *, target_s, reps, max_iters):
+    """Same as time_jax but with torch.cuda.Event around the loop; returns ms."""
+    import torch
+    ns = len(sets)
+    for s in sets:
+        fn(*s)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(ns):
+        fn(*sets[i % ns])
+    end.record()
+    end.synchronize()
+    est = start.elapsed_time(end) / 1e3 / ns
+    n = _pick_n(est, target_s, ns, max_iters)
+    times, wall = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        for i in range(n):
+            fn(*sets[i % ns])
+        end.record()
+        end.synchronize()
+        wall.append((time.perf_counter() - t0) / n * 1e3)
+        times.append(start.elapsed_time(end) / n)
+    return statistics.median(times), dict(n=n, reps=reps, loop_ms=times, wall_loop_ms=wall)
+
+
+def copy_bandwidth(args, on_cpu, torch_mod=None):
+    """Bytes read + written per second: a large jnp elementwise pass, and torch's copy_ when given;
+    GBps is the larger (args: copy_mb, target_ms, reps, max_iters)."""
+    import jax
+    import jax.numpy as jnp
+    res = {}
+    mb = min(args.copy_mb, 128.0) if on_cpu else args.copy_mb
+    n = int(mb * 2**20) // 4
+    try:
+        x = jnp.arange(n, dtype=jnp.float32)
+        f = jax.jit(lambda a: a * 1.0009765625 + 1.0)  # elementwise: read n*4 bytes, write n*4 bytes
+        ms, info = time_jax(f, [(x,)], target_s=args.target_ms / 1e3, reps=args.reps,
+                            max_iters=args.max_iters)
+        res["jax_GBps"] = 2 * n * 4 / (ms / 1e3) / 1e9
+        res["jax_ms"] = ms
+        res["bytes"] = 2 * n * 4
+        del x
+    except Exception as e:  # noqa: BLE001
+        log("copy bandwidth (jax) failed:", short_exc(e))
+    gc.collect()
+    if torch_mod is not None and torch_mod.cuda.is_available():
+        torch = torch_mod
+        try:
+            a = torch.empty(n, dtype=torch.float32, device="cuda").fill_(1.0)
+            b = torch.empty_like(a)
+            ms, _ = time_torch(lambda: b.copy_(a), [()], target_s=args.target_ms / 1e3, reps=args.reps,
+                               max_iters=args.max_iters)
+            res["torch_GBps"] = 2 * n * 4 / (ms / 1e3) / 1e9
+            res["torch_ms"] = ms
+            del a, b
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            log("copy bandwidth (torch) failed:", short_exc(e))
+    bws = [res[k] for k in ("jax_GBps", "torch_GBps") if k in res]
+    res["GBps"] = max(bws) if bws else float("nan")
+    return res
+
+
+def nbytes(*arrs):
+    return int(sum(a.size * a.dtype.itemsize for a in arrs if a is not None))
+
+
+def fmt(x, spec=".3f"):
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    return format(x, spec)

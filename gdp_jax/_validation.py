@@ -89,11 +89,47 @@ def infer_num_householder(num_householder: Any, q_tokens: int, k_positions: int)
             raise ValueError(f"k.shape[1] must be a multiple T*M of q.shape[1] = T = {q_tokens}; "
                              f"got k.shape[1] = {k_positions}")
         num_householder = k_positions // q_tokens
-    if isinstance(num_householder, bool) or not isinstance(num_householder, (int, np.integer)) \
-            or num_householder < 1:
-        raise ValueError(f"num_householder must be a positive integer; got {num_householder!r}")
+    _check_num_householder(num_householder)
     if k_positions != q_tokens * num_householder:
         raise ValueError(f"k.shape[1] must be T*M = {q_tokens}*{num_householder} = "
                          f"{q_tokens * num_householder} for num_householder={num_householder}; "
                          f"got {k_positions} (k.shape[1] / T = {k_positions / q_tokens:g})")
     return int(num_householder)
+
+
+def check_float_shape(name: str, x: Any, expected: tuple[int, ...], axes: str) -> None:
+    """A floating-point array of exactly the expected shape (rank first, then every axis)."""
+    check_float_array(name, x, len(expected), axes)
+    check_shape(name, x, expected, axes)
+
+
+def check_same_dtype(**arrays: Any) -> None:
+    """Arrays that must share one dtype (e.g. q, k and v), named in the error."""
+    dtypes = {name: _dtype(x) for name, x in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        names = ", ".join(dtypes)
+        got = ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        raise TypeError(f"{names} must share one dtype; got {got}")
+
+
+def check_bool(name: str, x: Any) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python bool (it is static); got {type(x).__name__}")
+    return bool(x)
+
+
+def check_num_householder_equals(num_householder: Any, inferred: int, name: str, axis_desc: str) -> int:
+    """An explicit num_householder must match the M read from an array's shape (decode step)."""
+    if num_householder is None:
+        return inferred
+    _check_num_householder(num_householder)
+    if num_householder != inferred:
+        raise ValueError(f"{name}.shape[{axis_desc}] must be M = num_householder = {num_householder}; "
+                         f"got {inferred}")
+    return int(num_householder)
+
+
+def _check_num_householder(num_householder: Any) -> None:
+    if isinstance(num_householder, bool) or not isinstance(num_householder, (int, np.integer)) \
+            or num_householder < 1:
+        raise ValueError(f"num_householder must be a positive integer; got {num_householder!r}")

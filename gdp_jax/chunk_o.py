@@ -60,17 +60,13 @@ def chunk_gdp_fwd_o(q: jax.Array, k: jax.Array, v: jax.Array, h: jax.Array,
     num_chunks = -(-tokens // chunk_size)
     val.check_shape("k", k, (batch, tokens * m, heads, key_dim), "B, T*M, H, K")
     val.check_shape("v", v, (batch, tokens * m, heads, value_dim), "B, T*M, H, V")
-    val.check_float_array("h", h, 5, "B, NT, H, K, V")
-    val.check_shape("h", h, (batch, num_chunks, heads, key_dim, value_dim),
-                    f"B, NT = ceil(T / chunk_size) = ceil({tokens} / {chunk_size}), H, K, V")
+    val.check_float_shape("h", h, (batch, num_chunks, heads, key_dim, value_dim),
+                          f"B, NT = ceil(T / chunk_size) = ceil({tokens} / {chunk_size}), H, K, V")
     if g is not None:
-        val.check_float_array("g", g, 3, "B, T, H")
-        val.check_shape("g", g, (batch, tokens, heads), "B, T, H")
+        val.check_float_shape("g", g, (batch, tokens, heads), "B, T, H")
     if segment_ids is not None:
         val.check_segment_ids(segment_ids, batch, tokens)
-    if not (jnp.result_type(q) == jnp.result_type(k) == jnp.result_type(v)):
-        raise TypeError("q, k and v must share one dtype; got "
-                        f"q {jnp.result_type(q)}, k {jnp.result_type(k)}, v {jnp.result_type(v)}")
+    val.check_same_dtype(q=q, k=k, v=v)
     config = _Config(scale=val.check_scale(scale, key_dim), chunk_size=chunk_size,
                      num_householder=m, implementation=val.resolve_implementation(implementation))
     runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))

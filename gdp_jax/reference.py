@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from gdp_jax import _validation as val
+from gdp_jax.cumsum import chunk_local_log2_cumsum  # noqa: F401  (re-exported for tests and users)
 from gdp_jax.segments import segment_starts
-
-LOG2_E = math.log2(math.e)
 
 
 class RecurrenceOutputs(NamedTuple):
@@ -34,15 +32,6 @@ class RecurrenceOutputs(NamedTuple):
     v_new: jax.Array
     g: jax.Array
     final_state: jax.Array
-
-
-def chunk_local_log2_cumsum(g_raw: jax.Array, chunk_size: int) -> jax.Array:
-    """[B, T, H] natural-log gates -> log2(e) * cumulative sum restarted at every chunk start."""
-    batch, tokens, heads = g_raw.shape
-    num_chunks = -(-tokens // chunk_size)
-    padded = jnp.pad(g_raw, ((0, 0), (0, num_chunks * chunk_size - tokens), (0, 0)))
-    cum = jnp.cumsum(padded.reshape(batch, num_chunks, chunk_size, heads), axis=2)
-    return (LOG2_E * cum).reshape(batch, num_chunks * chunk_size, heads)[:, :tokens]
 
 
 def recurrence(q, k, v, g_raw=None, beta=None, *, num_householder: Optional[int] = None,
@@ -92,7 +81,6 @@ def recurrence(q, k, v, g_raw=None, beta=None, *, num_householder: Optional[int]
 @functools.partial(jax.jit, static_argnames=("m", "scale", "chunk_size"))
 def _recurrence(q, k, v, g_raw, beta, state0, starts, *, m, scale, chunk_size):
     batch, tokens, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
     num_chunks = -(-tokens // chunk_size)
     pad = num_chunks * chunk_size - tokens
     precision = jax.lax.Precision.HIGHEST

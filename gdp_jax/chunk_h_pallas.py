@@ -1,0 +1,148 @@
+"""Pallas kernel (Triton lowering) for stage 3 of Gated DeltaProduct: the chunk-state walk.
+
+One program owns one (value block, head, batch) and walks the row's chunks in order with a
+``lax.fori_loop``, carrying the [K, BV] float32 state in registers (see chunk_h.py for the math):
+
+    h[c] = state (zeroed at a segment start exactly on c0, c > 0)
+    v_new[chunk] = u - w h[c]
+    state <- d h[c] + sum_j kd[j] v_new[j]^T
+
+The M Householder copies are read and written through a [B, T, M, H, *] view of the caller's
+[B, T*M, H, *] arrays (a free reshape), indexing the copy axis inside the kernel.
+
+Status: tested through Pallas' interpreter on CPU only; not yet compiled for or run on a GPU, so
+chunk.py uses it only for implementation="interpret" until GPU tests pass (USE_ON_GPU below).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Flip once tests/test_chunk_gpu.py passes on a GPU: then implementation="pallas" uses this kernel.
+USE_ON_GPU = False
+
+
+def _tile_width(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: int, has_g: bool,
+                    has_segments: bool, has_initial_state: bool):
+    k_ref, w_ref, u_ref, *refs = refs
+    g_ref = refs.pop(0) if has_g else None
+    runs_ref = refs.pop(0) if has_segments else None
+    h0_ref = refs.pop(0) if has_initial_state else None
+    h_ref, v_new_ref, final_ref = refs
+    key_dim, block_v = h_ref.shape[-2], h_ref.shape[-1]
+
+    if has_initial_state:
+        state = h0_ref[...].astype(jnp.float32)
+    else:
+        state = jnp.zeros((key_dim, block_v), jnp.float32)
+
+    def one_chunk(c, state):
+        first = c * chunk_size
+        last = first + chunk_size - 1                   # padding repeats the last real token
+        rows = pl.ds(first, chunk_size)
+        if has_segments:
+            run = runs_ref[rows]                        # [BT] run numbers
+            run_first, run_last = runs_ref[first], runs_ref[last]
+            run_before = runs_ref[jnp.maximum(first - 1, 0)]
+            reset = (c > 0) & (run_first != run_before)
+            state = jnp.where(reset, 0.0, state)
+        h_ref[c] = state.astype(h_ref.dtype)
+        if has_g:
+            g = g_ref[rows]                             # [BT] chunk-local log2 decays
+            g_last = g_ref[last]
+            coeff = jnp.exp2(g_last - g)                # <= 1
+            carry_in = jnp.exp2(g_last)
+        else:
+            coeff = jnp.ones((chunk_size,), jnp.float32)
+            carry_in = jnp.float32(1.0)
+        if has_segments:
+            coeff = jnp.where(run == run_last, coeff, 0.0)          # only the last segment carries
+            carry_in = jnp.where(run_first == run_last, carry_in, 0.0)
+        update = jnp.zeros((key_dim, block_v), jnp.float32)
+        for m in range(num_householder):
+            w = w_ref[rows, m, :].astype(jnp.float32)               # [BT, K]
+            u = u_ref[rows, m, :].astype(jnp.float32)               # [BT, BV]
+            v_new = u - plgpu.dot(w, state)                         # [BT, BV]
+            v_new_ref[rows, m, :] = v_new.astype(v_new_ref.dtype)
+            kd = k_ref[rows, m, :].astype(jnp.float32) * coeff[:, None]
+            update += plgpu.dot(kd, v_new, trans_a=True)            # [K, BV]
+        return carry_in * state + update
+
+    final = jax.lax.fori_loop(0, num_chunks, one_chunk, state)
+    final_ref[...] = final.astype(final_ref.dtype)
+
+
+def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder: int,
+                   interpret: bool = False, block_v: int | None = None, num_warps: int = 4,
+                   num_stages: int = 1):
+    """(h [B, NT, H, K, V], v_new [B, T*M, H, V], final_state [B, H, K, V]), all float32.
+
+    Same arguments as ``chunk_h.chunk_h_xla``: k, w [B, T*M, H, K]; u [B, T*M, H, V]; g [B, T, H]
+    chunk-local log2 decays or None; runs [B, T] int32 or None; initial_state [B, H, K, V] or None.
+    T is padded to a whole number of chunks (padding: zero keys, w and u; decays and runs repeat
+    the last token, so padding changes nothing) and K, V to Triton tile widths, cut back after.
+    """
+    batch, positions, heads, key_dim = k.shape
+    value_dim = u.shape[-1]
+    m = num_householder
+    tokens = positions // m
+    num_chunks = -(-tokens // chunk_size)
+    pad_t = num_chunks * chunk_size - tokens
+    kp, vp = _tile_width(key_dim), _tile_width(value_dim)
+    f32 = jnp.float32
+
+    def stream(x, width, padded_width):         # [B, T*M, H, X] -> [B, T_pad, M, H, X_pad]
+        x = jnp.pad(x.astype(f32), ((0, 0), (0, pad_t * m), (0, 0), (0, padded_width - width)))
+        return x.reshape(batch, tokens + pad_t, m, heads, padded_width)
+
+    block_v = block_v or min(vp, 64)
+    operands = [stream(k, key_dim, kp), stream(w, key_dim, kp), stream(u, value_dim, vp)]
+    t_pad = tokens + pad_t
+    in_specs = [pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0)),
+                pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0)),
+                pl.BlockSpec((None, t_pad, m, None, block_v), lambda vb, hd, b: (b, 0, 0, hd, vb))]
+    if g is not None:
+        operands.append(jnp.pad(g.astype(f32), ((0, 0), (0, pad_t), (0, 0)), mode="edge"))
+        in_specs.append(pl.BlockSpec((None, t_pad, None), lambda vb, hd, b: (b, 0, hd)))
+    if runs is not None:
+        operands.append(jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, pad_t)), mode="edge"))
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda vb, hd, b: (b, 0)))
+    if initial_state is not None:
+        operands.append(jnp.pad(initial_state.astype(f32),
+                                ((0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim))))
+        in_specs.append(pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb)))
+
+    kernel = functools.partial(
+        _chunk_h_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
+        has_g=g is not None, has_segments=runs is not None,
+        has_initial_state=initial_state is not None)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), f32),
+                   jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), f32),
+                   jax.ShapeDtypeStruct((batch, heads, kp, vp), f32)),
+        grid=(vp // block_v, heads, batch),
+        in_specs=in_specs,
+        out_specs=(pl.BlockSpec((None, num_chunks, None, kp, block_v),
+                                lambda vb, hd, b: (b, 0, hd, 0, vb)),
+                   pl.BlockSpec((None, t_pad, m, None, block_v), lambda vb, hd, b: (b, 0, 0, hd, vb)),
+                   pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb))),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="gdp_chunk_h_fwd",
+    )
+    with warnings.catch_warnings():
+        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend this kernel targets.
+        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+        h, v_new, final_state = call(*operands)
+    v_new = v_new.reshape(batch, t_pad * m, heads, vp)[:, :positions, :, :value_dim]
+    return h[..., :key_dim, :value_dim], v_new, final_state[..., :key_dim, :value_dim]

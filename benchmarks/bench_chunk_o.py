@@ -38,6 +38,7 @@ import traceback
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from bench_common import (LOG2E, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
+                          relative_error_fn,
                           short_exc, shape_label, time_jax, time_torch)
 from gdp_jax.reference import chunk_local_log2_cumsum as chunk_cumsum_log2
 
@@ -246,13 +247,10 @@ def main(argv=None):
     log("copy bandwidth: " + ", ".join(f"{k}={v:.4g}" for k, v in bw.items()))
     bw_Bps = bw["GBps"] * 1e9
 
-    relerr = jax.jit(lambda a, b: jnp.sqrt(jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                     / jnp.sqrt(jnp.sum(jnp.square(b.astype(jnp.float32)))))
+    relerr = relative_error_fn()
     rng = np.random.default_rng(args.seed)
     rows = []
     for si, shp in enumerate(shapes):
-        shp.setdefault("V", shp["K"])
-        shp.setdefault("segs", 0)
         B, T, H, K, V, M = (shp[c] for c in "BTHKVM")
         label = shape_label(shp)
         scale = K ** -0.5

@@ -41,6 +41,7 @@ import time
 import traceback
 
 from bench_common import (LOG2E, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
+                          relative_error_fn,
                           short_exc, shape_label, time_jax)
 
 SHAPE_SETS = {
@@ -150,13 +151,10 @@ def main(argv=None):
     log(f"copy bandwidth: {bw['GBps']:.0f} GB/s ({bw['bytes'] / 1e6:.0f} MB moved in {bw['jax_ms']:.3f} ms)")
     bw_Bps = bw["GBps"] * 1e9
 
-    relerr = jax.jit(lambda a, b: jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
-                     / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+    relerr = relative_error_fn()
     rng = np.random.default_rng(args.seed)
     rows = []
     for si, shp in enumerate(shapes):
-        shp.setdefault("V", shp["K"])
-        shp.setdefault("segs", 0)
         B, T, H, K, V, M = (shp[c] for c in "BTHKVM")
         label = shape_label(shp)
         kw = dict(scale=K ** -0.5, chunk_size=bt, num_householder=M)

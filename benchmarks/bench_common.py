@@ -17,19 +17,30 @@ LOG2E = 1.0 / math.log(2.0)
 def parse_shapes(spec: str, shape_sets: dict):
     """A named set from ``shape_sets`` or 'B=..,T=..,H=..,K=..[,V=..],M=..[,segs=..];...'."""
     if spec in shape_sets:
-        return [dict(s) for s in shape_sets[spec]]
-    out = []
-    for item in filter(None, (s.strip() for s in spec.split(";"))):
-        d = dict(segs=0)
-        for kv in item.split(","):
-            key, val = kv.split("=")
-            d[key.strip()] = int(val)
-        d.setdefault("V", d.get("K"))
-        missing = {"B", "T", "H", "K", "V", "M"} - set(d)
-        if missing:
-            raise SystemExit(f"shape {item!r} lacks {sorted(missing)}")
-        out.append(d)
-    return out
+        items = [dict(s) for s in shape_sets[spec]]
+    else:
+        items = []
+        for item in filter(None, (s.strip() for s in spec.split(";"))):
+            d = {}
+            for kv in item.split(","):
+                key, val = kv.split("=")
+                d[key.strip()] = int(val)
+            missing = {"B", "T", "H", "K", "M"} - set(d)
+            if missing:
+                raise SystemExit(f"shape {item!r} lacks {sorted(missing)}")
+            items.append(d)
+    for d in items:  # V defaults to K, segs (segments per row) to 0: unpacked
+        d.setdefault("V", d["K"])
+        d.setdefault("segs", 0)
+    return items
+
+
+def relative_error_fn():
+    """A jitted ||a - b|| / ||b|| over all elements, in float32."""
+    import jax
+    import jax.numpy as jnp
+    f32 = lambda x: x.astype(jnp.float32).ravel()
+    return jax.jit(lambda a, b: jnp.linalg.norm(f32(a) - f32(b)) / jnp.linalg.norm(f32(b)))
 
 
 def shape_label(s):

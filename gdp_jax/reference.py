@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _validation as val
-from gdp_jax.cumsum import chunk_local_log2_cumsum  # noqa: F401  (re-exported for tests and users)
+from gdp_jax.cumsum import chunk_local_log2_cumsum
 from gdp_jax.segments import segment_starts
 
 

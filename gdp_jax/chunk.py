@@ -5,25 +5,30 @@
     k, w, u, g, initial_state --(3) chunk_h.chunk_h--> h, v_new, final_state
     q, k, v_new, h, g --(4) chunk_o.chunk_gdp_fwd_o--> o
 
-Stages 1-2 are jnp on every backend (exact gradients by autodiff). Stage 3 is a custom_vjp whose
-forward is the jnp scan or the Pallas kernel (chunk_h_pallas.py; "interpret" always, "pallas" once
-USE_ON_GPU is set after GPU validation) and whose backward is the jnp scan's VJP. Stage 4 runs the
-chosen implementation under its own custom_vjp. Segment ids become run numbers once (segments.py).
+implementation="xla" runs stages 1-3 in jnp (exact gradients by plain autodiff). "pallas" and
+"interpret" run stages 2-3 as two Pallas kernels on a finer grid (wy_pallas.py: the WY system on
+sub-chunks of at most 64 positions of the expanded stream; chunk_h_pallas.py: the state walk over
+those sub-chunks, storing h at token-chunk boundaries), under one custom_vjp whose backward is the
+VJP of the jnp stages 1-3 (recomputed; exact, not yet fast). Both grids give the same h, v_new and
+final state: they are SPEC's. Stage 4 runs the chosen implementation under its own custom_vjp.
+Segment ids become run numbers once (segments.py).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from gdp_jax import _validation as val
-from gdp_jax import chunk_h_pallas
-from gdp_jax.chunk_h import chunk_h
+from gdp_jax.chunk_h import chunk_h_xla
+from gdp_jax.chunk_h_pallas import chunk_h_pallas
 from gdp_jax.chunk_o import chunk_gdp_fwd_o
 from gdp_jax.cumsum import chunk_local_log2_cumsum
 from gdp_jax.segments import segment_runs
 from gdp_jax.wy import wy_xla
+from gdp_jax.wy_pallas import expanded_log2_decays, sub_chunk_size, wy_pallas
 
 L2NORM_EPS = 1e-6
 
@@ -60,8 +65,9 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       use_qk_l2norm: L2-normalise q and k (per position, eps 1e-6) inside the op; the gradient
         flows through the normalisation.
       chunk_size: power of two in [16, 128].
-      implementation: "pallas", "xla", "interpret" or None, as for chunk_gdp_fwd_o; it picks the
-        output stage's and the state walk's implementation (the WY stage is jnp for now).
+      implementation: "pallas", "xla", "interpret" or None, as for chunk_gdp_fwd_o: "xla" is jnp
+        throughout; "pallas" (GPU) and "interpret" run the WY, state-walk and output stages as
+        Pallas kernels. The backward of the WY and state stages is the jnp VJP for now.
 
     Returns:
       (o, final_state): o [B, T, H, V] in v's dtype; final_state [B, H, K, V] float32, or None
@@ -93,16 +99,96 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))
     g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
     stage = dict(chunk_size=chunk_size, num_householder=m)
-    w, u = wy_xla(k, v, beta, g_log2, runs, **stage)
-    # The Pallas chunk_h kernel runs under "interpret"; under "pallas" only once it is validated
-    # on a GPU (chunk_h_pallas.USE_ON_GPU), the jnp walk otherwise.
-    h_impl = implementation
-    if implementation == "pallas" and not chunk_h_pallas.USE_ON_GPU:
-        h_impl = "xla"
-    h, v_new, final_state = chunk_h(k, w, u, g_log2, runs, initial_state, implementation=h_impl,
-                                    **stage)
+    if implementation == "xla":
+        w, u = wy_xla(k, v, beta, g_log2, runs, **stage)
+        h, v_new, final_state = chunk_h_xla(k, w, u, g_log2, runs, initial_state, **stage)
+    else:
+        h, v_new, final_state = _states(k, v, beta, g, runs, initial_state,
+                                        (chunk_size, m, implementation == "interpret"))
     # The output stage takes v_new in the inputs' dtype (as flash-linear-attention does) and h in
-    # float32; it accumulates in float32 either way.
+    # float32 (jnp path) or the inputs' dtype when they are 16-bit (Pallas path, as fla does: it
+    # halves the bytes h costs); it accumulates in float32 either way.
     o = chunk_gdp_fwd_o(q, k, v_new.astype(v.dtype), h, g_log2, segment_ids=segment_ids,
                         scale=scale, implementation=implementation, **stage)
     return o, (final_state if output_final_state else None)
+
+
+def _states_jnp(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int):
+    """Stages 1-3 in jnp: (h, v_new, final_state), float32. g natural-log [B, T, H] or None."""
+    stage = dict(chunk_size=chunk_size, num_householder=num_householder)
+    g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
+    w, u = wy_xla(k, v, beta, g_log2, runs, **stage)
+    return chunk_h_xla(k, w, u, g_log2, runs, initial_state, **stage)
+
+
+def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
+                   interpret: bool):
+    """Stages 1-3 on the sub-chunk grid with the Pallas kernels: (h, v_new, final_state).
+
+    h [B, NT, H, K, V] and v_new [B, T*M, H, V] come in the inputs' dtype when it is 16-bit (float32
+    otherwise; v_new always in v's dtype); final_state [B, H, K, V] float32.
+    """
+    batch, positions, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    m = num_householder
+    tokens = positions // m
+    num_chunks = -(-tokens // chunk_size)
+    padded_positions = num_chunks * chunk_size * m
+    sub = sub_chunk_size(chunk_size)
+    kp, vp = (max(16, 1 << (n - 1).bit_length()) for n in (key_dim, value_dim))
+    pad_rows = lambda x, width: jnp.pad(x, ((0, 0), (0, padded_positions - positions), (0, 0),
+                                            (0, width - x.shape[-1])))
+    k_p, v_p = pad_rows(k, kp), pad_rows(v, vp)
+    beta_p = jnp.pad(beta, ((0, 0), (0, padded_positions - positions), (0, 0)))
+    gamma = None if g is None else expanded_log2_decays(g, m, padded_positions, sub)
+    runs_p = None
+    if runs is not None:
+        runs_p = jnp.pad(jnp.repeat(runs.astype(jnp.int32), m, axis=1),
+                         ((0, 0), (0, padded_positions - positions)), mode="edge")
+    half = jnp.dtype(k.dtype).itemsize == 2
+    work_dtype = k.dtype if half else jnp.float32
+    w, u = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=work_dtype,
+                     interpret=interpret)
+    h0 = None
+    if initial_state is not None:
+        h0 = jnp.pad(initial_state.astype(jnp.float32),
+                     ((0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim)))
+    h, v_new, final_state = chunk_h_pallas(
+        k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
+        subchunks=chunk_size * m // sub, h_dtype=work_dtype, v_new_dtype=v.dtype,
+        interpret=interpret)
+    return (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
+            final_state[..., :key_dim, :value_dim])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _states(k, v, beta, g, runs, initial_state, config):
+    chunk_size, m, interpret = config
+    return _states_pallas(k, v, beta, g, runs, initial_state, chunk_size=chunk_size,
+                          num_householder=m, interpret=interpret)
+
+
+def _states_fwd(k, v, beta, g, runs, initial_state, config):
+    return (_states(k, v, beta, g, runs, initial_state, config),
+            (k, v, beta, g, runs, initial_state))
+
+
+def _states_bwd(config, residuals, cotangents):
+    """The VJP of the jnp stages 1-3 at the same primals (they compute the same function)."""
+    k, v, beta, g, runs, initial_state = residuals
+    chunk_size, m, _ = config
+    primals = dict(k=k, v=v, beta=beta, g=g, initial_state=initial_state)
+    names = [n for n, x in primals.items() if x is not None]
+
+    def jnp_path(*args):
+        full = dict(primals, **dict(zip(names, args)))
+        return _states_jnp(full["k"], full["v"], full["beta"], full["g"], runs, full["initial_state"],
+                           chunk_size=chunk_size, num_householder=m)
+
+    _, vjp = jax.vjp(jnp_path, *[primals[n] for n in names])
+    grads = dict(zip(names, vjp(tuple(c.astype(jnp.float32) for c in cotangents))))
+    cast = lambda n: None if primals[n] is None else grads[n].astype(primals[n].dtype)
+    return cast("k"), cast("v"), cast("beta"), cast("g"), None, cast("initial_state")
+
+
+_states.defvjp(_states_fwd, _states_bwd)

@@ -10,8 +10,8 @@ One program owns one (value block, head, batch) and walks the row's chunks in or
 The M Householder copies are read and written through a [B, T, M, H, *] view of the caller's
 [B, T*M, H, *] arrays (a free reshape), indexing the copy axis inside the kernel.
 
-Status: tested through Pallas' interpreter on CPU only; not yet compiled for or run on a GPU, so
-chunk.py uses it only for implementation="interpret" until GPU tests pass (USE_ON_GPU below).
+Status: compiled and checked on an H200 (tests/test_chunk_gpu.py, against the float64 recurrence,
+both grids). The full op's GPU path (chunk.py) runs it on the sub-chunk grid (``subchunks``).
 """
 from __future__ import annotations
 
@@ -23,16 +23,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Flip once tests/test_chunk_gpu.py passes on a GPU: then implementation="pallas" uses this kernel.
-USE_ON_GPU = False
-
-
 def _tile_width(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
 def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: int, has_g: bool,
-                    has_segments: bool, has_initial_state: bool):
+                    has_segments: bool, has_initial_state: bool, subchunks: int):
     k_ref, w_ref, u_ref, *refs = refs
     g_ref = refs.pop(0) if has_g else None
     runs_ref = refs.pop(0) if has_segments else None
@@ -45,7 +41,7 @@ def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: in
     else:
         state = jnp.zeros((key_dim, block_v), jnp.float32)
 
-    def one_chunk(c, state):
+    def one_chunk(c, state, h_index):
         first = c * chunk_size
         last = first + chunk_size - 1                   # padding repeats the last real token
         rows = pl.ds(first, chunk_size)
@@ -55,7 +51,8 @@ def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: in
             run_before = runs_ref[jnp.maximum(first - 1, 0)]
             reset = (c > 0) & (run_first != run_before)
             state = jnp.where(reset, 0.0, state)
-        h_ref[c] = state.astype(h_ref.dtype)
+        if h_index is not None:
+            h_ref[h_index] = state.astype(h_ref.dtype)
         if has_g:
             g = g_ref[rows]                             # [BT] chunk-local log2 decays
             g_last = g_ref[last]
@@ -77,31 +74,45 @@ def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: in
             update += plgpu.dot(kd, v_new, trans_a=True)            # [K, BV]
         return carry_in * state + update
 
-    final = jax.lax.fori_loop(0, num_chunks, one_chunk, state)
+    def one_stored_chunk(c, state):      # h is stored before the first of every `subchunks` chunks
+        for e in range(subchunks):
+            state = one_chunk(c * subchunks + e, state, c if e == 0 else None)
+        return state
+
+    final = jax.lax.fori_loop(0, num_chunks // subchunks, one_stored_chunk, state)
     final_ref[...] = final.astype(final_ref.dtype)
 
 
 def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder: int,
                    interpret: bool = False, block_v: int | None = None, num_warps: int = 4,
-                   num_stages: int = 1):
+                   num_stages: int = 1, subchunks: int = 1, h_dtype=jnp.float32,
+                   v_new_dtype=jnp.float32):
     """(h [B, NT, H, K, V], v_new [B, T*M, H, V], final_state [B, H, K, V]), all float32.
 
     Same arguments as ``chunk_h.chunk_h_xla``: k, w [B, T*M, H, K]; u [B, T*M, H, V]; g [B, T, H]
     chunk-local log2 decays or None; runs [B, T] int32 or None; initial_state [B, H, K, V] or None.
     T is padded to a whole number of chunks (padding: zero keys, w and u; decays and runs repeat
     the last token, so padding changes nothing) and K, V to Triton tile widths, cut back after.
+
+    ``subchunks`` > 1 is the GPU path's finer grid (wy_pallas.py): the arrays are the expanded stream
+    itself (num_householder 1, "tokens" = positions, chunk_size = the sub-chunk), the walk takes
+    sub-chunks, and h is stored only before every ``subchunks``-th one (the token-chunk boundaries),
+    so h has ceil(chunks / subchunks) entries. There g must already be sub-chunk-local and padded to
+    whole token chunks with zero gates, so fully padded sub-chunks do not decay the final state.
+    h and v_new are written in ``h_dtype`` and ``v_new_dtype``; the state is carried in float32.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = u.shape[-1]
     m = num_householder
     tokens = positions // m
-    num_chunks = -(-tokens // chunk_size)
+    num_chunks = -(-tokens // (chunk_size * subchunks)) * subchunks
     pad_t = num_chunks * chunk_size - tokens
     kp, vp = _tile_width(key_dim), _tile_width(value_dim)
     f32 = jnp.float32
 
     def stream(x, width, padded_width):         # [B, T*M, H, X] -> [B, T_pad, M, H, X_pad]
-        x = jnp.pad(x.astype(f32), ((0, 0), (0, pad_t * m), (0, 0), (0, padded_width - width)))
+        # Kept in the caller's dtype (the kernel upcasts on load): no extra pass over HBM.
+        x = jnp.pad(x, ((0, 0), (0, pad_t * m), (0, 0), (0, padded_width - width)))
         return x.reshape(batch, tokens + pad_t, m, heads, padded_width)
 
     block_v = block_v or min(vp, 64)
@@ -124,15 +135,15 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     kernel = functools.partial(
         _chunk_h_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
         has_g=g is not None, has_segments=runs is not None,
-        has_initial_state=initial_state is not None)
+        has_initial_state=initial_state is not None, subchunks=subchunks)
     call = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), f32),
-                   jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), f32),
+        out_shape=(jax.ShapeDtypeStruct((batch, num_chunks // subchunks, heads, kp, vp), h_dtype),
+                   jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), v_new_dtype),
                    jax.ShapeDtypeStruct((batch, heads, kp, vp), f32)),
         grid=(vp // block_v, heads, batch),
         in_specs=in_specs,
-        out_specs=(pl.BlockSpec((None, num_chunks, None, kp, block_v),
+        out_specs=(pl.BlockSpec((None, num_chunks // subchunks, None, kp, block_v),
                                 lambda vb, hd, b: (b, 0, hd, 0, vb)),
                    pl.BlockSpec((None, t_pad, m, None, block_v), lambda vb, hd, b: (b, 0, 0, hd, vb)),
                    pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb))),

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Sweep the launch parameters of the full op's GPU stages 2-3 (wy_pallas, chunk_h_pallas on sub-chunks).
+
+    PYTHONPATH=. python3 benchmarks/tune_states.py [--shape B=8,T=4096,H=16,K=128,M=2] [--out f.json]
+
+Times (bench_common.time_jax, 3 rotated input sets) the WY kernel for num_warps x half_apply and the
+state walk for block_v x num_warps, on the expanded, padded stream exactly as chunk.py feeds them,
+and prints one table. Nothing is asserted; a failing config prints its error and the sweep goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from bench_common import log, parse_shapes, short_exc, time_jax
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="B=8,T=4096,H=16,K=128,M=2")
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--interpret", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    import jax
+    import jax.numpy as jnp
+    from gdp_jax.chunk_h_pallas import chunk_h_pallas
+    from gdp_jax.wy_pallas import expanded_log2_decays, sub_chunk_size, wy_pallas
+
+    shp = parse_shapes(args.shape, {})[0]
+    B, T, H, K, V, M = (shp[c] for c in "BTHKVM")
+    bt = args.chunk
+    sub = sub_chunk_size(bt)
+    P = -(-T // bt) * bt * M
+
+    def make(key):
+        kk, kv, kb, kg = jax.random.split(key, 4)
+        k = jax.random.normal(kk, (B, P, H, K), jnp.float32)
+        k = (k * jax.lax.rsqrt(jnp.sum(k * k, -1, keepdims=True))).astype(jnp.bfloat16)
+        v = jax.random.normal(kv, (B, P, H, V), jnp.float32).astype(jnp.bfloat16)
+        beta = jax.nn.sigmoid(jax.random.normal(kb, (B, P, H))).astype(jnp.bfloat16)
+        g = jax.nn.log_sigmoid(jax.random.normal(kg, (B, P // M, H)) + 3.0)
+        gamma = expanded_log2_decays(g, M, P, sub)
+        return k, v, beta, gamma
+
+    sets = [jax.block_until_ready(jax.jit(make)(jax.random.PRNGKey(i))) for i in range(3)]
+    rows = []
+
+    def timed(name, cfg, fn, fn_sets):
+        try:
+            ms, _ = time_jax(jax.jit(fn), fn_sets, target_s=0.1, reps=3, max_iters=200)
+            log(f"{name} {cfg}: {ms:.4f} ms")
+            rows.append(dict(stage=name, config=cfg, ms=ms))
+        except Exception as e:  # noqa: BLE001
+            log(f"{name} {cfg}: FAILED {short_exc(e)}")
+            rows.append(dict(stage=name, config=cfg, error=short_exc(e)))
+
+    for warps in (2, 4, 8):
+        for half in (False, True):
+            cfg = dict(num_warps=warps, half_apply=half)
+            timed("wy", cfg, lambda k, v, b, g, cfg=cfg: wy_pallas(
+                k, v, b, g, None, sub_chunk=sub, out_dtype=jnp.bfloat16, interpret=args.interpret, **cfg),
+                sets)
+    wu = [jax.block_until_ready(jax.jit(lambda k, v, b, g: wy_pallas(
+        k, v, b, g, None, sub_chunk=sub, out_dtype=jnp.bfloat16, interpret=args.interpret))(*s))
+        for s in sets]
+    h_sets = [(s[0], w, u, s[3]) for s, (w, u) in zip(sets, wu)]
+    for bv in (16, 32, 64):
+        for warps in (2, 4, 8):
+            cfg = dict(block_v=bv, num_warps=warps)
+            timed("chunk_h", cfg, lambda k, w, u, g, cfg=cfg: chunk_h_pallas(
+                k, w, u, g, None, None, chunk_size=sub, num_householder=1, subchunks=bt * M // sub,
+                h_dtype=jnp.bfloat16, v_new_dtype=jnp.bfloat16, interpret=args.interpret, **cfg),
+                h_sets)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(dict(shape=shp, chunk=bt, rows=rows), fh, indent=1)
+    print(f"\nshape {shp} chunk {bt} sub-chunk {sub}")
+    for r in rows:
+        print(f"{r['stage']:8} {str(r['config']):45} {r.get('ms', float('nan')):8.4f} {r.get('error', '')[:80]}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    main()

@@ -1,0 +1,183 @@
+"""Pallas kernel (Triton lowering) for stage 2 of Gated DeltaProduct: the WY representation, per sub-chunk.
+
+The GPU path solves the intra-chunk triangular system on *sub-chunks* of S positions of the expanded
+stream (S = min(chunk_size, 64)), not on whole token chunks of M*BT positions, so the system a program
+inverts is at most 64 x 64 whatever M is. The state walk (chunk_h_pallas, ``subchunks`` > 1) then steps
+through the sub-chunks in order and stores h only at token-chunk boundaries. This is the same recurrence
+with a finer chunk grid, so h, v_new and the final state are those of SPEC; only the intermediate w, u
+differ from wy.wy_xla's (they are relative to the sub-chunk's start).
+
+Sub-chunk decays live on the expanded stream: the gate of token t acts just before its first copy, so
+position j = t*M + m carries log2(e) g_t when m = 0 and 0 otherwise; gamma_j is their cumulative sum from
+the sub-chunk's first position (``expanded_log2_decays``). With live_j = [same(j, first position)] and
+
+    A[j, i] = beta_j 2^(gamma_j - gamma_i) (k_j·k_i)   for i < j in one segment, else 0   (S x S)
+
+the sub-chunk's corrected values are v_new = u - w h_in with
+
+    u = (I + A)^{-1} (beta v),        w = (I + A)^{-1} (beta live 2^gamma k).
+
+Inverse. (I + A)^{-1} is lower block-triangular over 16-row blocks. Each diagonal block is inverted by
+forward substitution (row i of T = e_i - sum_{c<i} A[i, c] T[c, :], 15 steps on a 16 x 16 tile, exact
+in float32), and the blocks below the diagonal follow from T_il = -T_ii sum_{l<=j<i} A_ij T_jl. The
+inverse is never formed at more than 16 x 16 granularity: w and u are accumulated block row by block
+row as sum_l T_il rhs_l. Dots that build or apply the inverse run in float32 ("highest" precision:
+IEEE on the GPU) because errors in T multiply every later value; the gram blocks k_i k_l^T run in the
+inputs' dtype with float32 accumulation (exact products for bf16 and fp16, as the other kernels do).
+
+Grid (H, sub-chunks, B), heads fastest; no program reads another's output.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
+LOG2_E = math.log2(math.e)
+
+
+def sub_chunk_size(chunk_size: int) -> int:
+    """Positions per sub-chunk: it divides chunk_size * M for every M, and the system stays <= 64."""
+    return min(chunk_size, 64)
+
+
+def expanded_log2_decays(g_raw, num_householder: int, positions_padded: int, sub_chunk: int):
+    """[B, T, H] natural-log gates -> [B, P_pad, H] float32 sub-chunk-local cumulative log2 decays on
+    the expanded stream (the gate at each token's first copy, 0 elsewhere and in padding)."""
+    batch, tokens, heads = g_raw.shape
+    m = num_householder
+    gate = jnp.zeros((batch, tokens, m, heads), jnp.float32)
+    gate = gate.at[:, :, 0].set(g_raw.astype(jnp.float32) * LOG2_E).reshape(batch, tokens * m, heads)
+    gate = jnp.pad(gate, ((0, 0), (0, positions_padded - tokens * m), (0, 0)))
+    cum = jnp.cumsum(gate.reshape(batch, positions_padded // sub_chunk, sub_chunk, heads), axis=2)
+    return cum.reshape(batch, positions_padded, heads)
+
+
+def _wy_kernel(*refs, sub_chunk: int, has_g: bool, has_segments: bool, f32_inputs: bool,
+               half_apply: bool):
+    k_ref, v_ref, beta_ref, *refs = refs
+    gamma_ref = refs.pop(0) if has_g else None
+    runs_ref = refs.pop(0) if has_segments else None
+    w_ref, u_ref = refs
+    f32 = jnp.float32
+    nb = sub_chunk // _BLOCK
+    gram_precision = _HIGHEST if f32_inputs else None
+    rows_of = lambda i: pl.ds(i * _BLOCK, _BLOCK)
+
+    beta = [beta_ref[rows_of(i)].astype(f32) for i in range(nb)]
+    gamma = [gamma_ref[rows_of(i)] for i in range(nb)] if has_g else None
+    run = [runs_ref[rows_of(i)] for i in range(nb)] if has_segments else None
+    keys = [k_ref[rows_of(i), :] for i in range(nb)]                      # inputs' dtype, [16, K]
+    r16 = jax.lax.broadcasted_iota(jnp.int32, (_BLOCK, _BLOCK), 0)
+    c16 = jax.lax.broadcasted_iota(jnp.int32, (_BLOCK, _BLOCK), 1)
+
+    def a_block(i, l):                        # A[rows of block i, columns of block l], l <= i
+        gram = plgpu.dot(keys[i], keys[l], trans_b=True, precision=gram_precision)   # [16, 16] f32
+        mask = (r16 > c16) if i == l else jnp.ones((_BLOCK, _BLOCK), bool)
+        if has_segments:
+            mask &= run[i][:, None] == run[l][None, :]
+        coeff = beta[i][:, None] * jnp.ones((1, _BLOCK), f32)
+        if has_g:  # mask the exponent first: above the diagonal it would be positive
+            coeff *= jnp.exp2(jnp.where(mask, gamma[i][:, None] - gamma[l][None, :], 0.0))
+        return jnp.where(mask, coeff * gram, 0.0)
+
+    a = {(i, l): a_block(i, l) for i in range(nb) for l in range(i + 1)}
+
+    def substitute(step, ts):                 # row `step` of every diagonal block's inverse
+        out = []
+        for i in range(nb):
+            a_row = jnp.sum(jnp.where(r16 == step, a[i, i], 0.0), axis=0)  # A_ii[step, :]
+            new_row = -jnp.sum(a_row[:, None] * ts[i], axis=0)             # -sum_c A[step, c] T[c, :]
+            out.append(ts[i] + jnp.where(r16 == step, new_row[None, :], 0.0))
+        return tuple(out)
+
+    eye = (r16 == c16).astype(f32)
+    diag = jax.lax.fori_loop(1, _BLOCK, substitute, tuple(eye for _ in range(nb)))
+    t = {(i, i): diag[i] for i in range(nb)}
+    hdot = functools.partial(plgpu.dot, precision=_HIGHEST)
+    for i in range(1, nb):
+        for l in range(i - 1, -1, -1):
+            acc = sum(hdot(a[i, j], t[j, l]) for j in range(l, i))
+            t[i, l] = -hdot(t[i, i], acc)
+
+    # Right-hand sides, block by block: beta v and beta live 2^gamma k.
+    if has_segments:
+        first_run = runs_ref[0]
+    for i in range(nb):
+        u_acc = None
+        w_acc = None
+        for l in range(i + 1):
+            scale_u = beta[l]
+            scale_w = beta[l]
+            if has_g:
+                scale_w = scale_w * jnp.exp2(gamma[l])
+            if has_segments:
+                scale_w = jnp.where(run[l] == first_run, scale_w, 0.0)
+            rhs_u = v_ref[rows_of(l), :].astype(f32) * scale_u[:, None]
+            rhs_w = keys[l].astype(f32) * scale_w[:, None]
+            if half_apply:   # T and the right-hand sides rounded to the inputs' 16-bit dtype
+                t_il = t[i, l].astype(k_ref.dtype)
+                du = plgpu.dot(t_il, rhs_u.astype(k_ref.dtype))
+                dw = plgpu.dot(t_il, rhs_w.astype(k_ref.dtype))
+            else:
+                du = hdot(t[i, l], rhs_u)
+                dw = hdot(t[i, l], rhs_w)
+            u_acc = du if u_acc is None else u_acc + du
+            w_acc = dw if w_acc is None else w_acc + dw
+        u_ref[rows_of(i), :] = u_acc.astype(u_ref.dtype)
+        w_ref[rows_of(i), :] = w_acc.astype(w_ref.dtype)
+
+
+def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: bool = False,
+              num_warps: int = 4, num_stages: int = 1, half_apply: bool = False):
+    """(w [B, P, H, K], u [B, P, H, V]) in ``out_dtype``, per sub-chunk of ``sub_chunk`` positions.
+
+    k [B, P, H, K], v [B, P, H, V] (same dtype), beta [B, P, H]; gamma [B, P, H] float32 sub-chunk-
+    local log2 decays (``expanded_log2_decays``) or None; runs [B, P] int32 run numbers per position or
+    None. P must be a multiple of ``sub_chunk`` (a multiple of 16, at most 64) and K, V powers of two
+    >= 16: the caller pads (zero keys, values and betas; padding positions change nothing).
+    ``half_apply`` (16-bit inputs only) applies the inverse with 16-bit tensor-core dots, as fla does,
+    instead of float32 ones.
+    """
+    batch, positions, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    if positions % sub_chunk or sub_chunk % _BLOCK or sub_chunk > 64:
+        raise ValueError(f"wy_pallas: positions {positions} must be a multiple of sub_chunk {sub_chunk}, "
+                         f"itself a multiple of {_BLOCK} and at most 64")
+    grid = (heads, positions // sub_chunk, batch)
+    rows = lambda width: pl.BlockSpec((None, sub_chunk, None, width), lambda hd, s, b: (b, s, hd, 0))
+    per_position = pl.BlockSpec((None, sub_chunk, None), lambda hd, s, b: (b, s, hd))
+    operands = [k, v, beta]
+    in_specs = [rows(key_dim), rows(value_dim), per_position]
+    if gamma is not None:
+        operands.append(gamma.astype(jnp.float32))
+        in_specs.append(per_position)
+    if runs is not None:
+        operands.append(runs.astype(jnp.int32))
+        in_specs.append(pl.BlockSpec((None, sub_chunk), lambda hd, s, b: (b, s)))
+    kernel = functools.partial(_wy_kernel, sub_chunk=sub_chunk, has_g=gamma is not None,
+                               has_segments=runs is not None,
+                               f32_inputs=jnp.dtype(k.dtype) == jnp.float32,
+                               half_apply=half_apply and jnp.dtype(k.dtype).itemsize == 2)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
+                   jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype)),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=(rows(key_dim), rows(value_dim)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="gdp_wy_fwd",
+    )
+    with warnings.catch_warnings():
+        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend this kernel targets.
+        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+        return call(*operands)

@@ -12,6 +12,10 @@ token's decay and run so it changes nothing), with w and u from stage 2:
         kd[j] = [same(j, last)] 2^(gamma_last - gamma_j) k[j]  (only the last segment is carried)
 
 and the final state is the state out of the last chunk: the state after each row's last token.
+
+Gradients: ``chunk_h`` wraps the walk in one custom_vjp whose backward is either the VJP of the jnp
+scan (recomputed) or the reverse-walk kernel of chunk_h_bwd_pallas.py (its docstring derives the
+VJP), which starts from the forward's h and v_new.
 """
 from __future__ import annotations
 
@@ -70,21 +74,43 @@ def chunk_h_xla(k, w, u, g, runs, initial_state: Optional[jax.Array], *, chunk_s
 
 
 def chunk_h(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder: int,
-            implementation: str):
-    """Stage 3 under one custom_vjp: the forward runs ``implementation`` ("xla", or the Pallas
-    kernel as "pallas"/"interpret"), the backward is the VJP of the jnp path (recomputed).
+            implementation: str, backward: Optional[str] = None):
+    """Stage 3 under one custom_vjp. The forward runs ``implementation`` ("xla", or the Pallas
+    kernel as "pallas"/"interpret"); the backward runs ``backward``:
+
+      "pallas"/"interpret": the reverse-walk kernel of chunk_h_bwd_pallas.py (compiled or
+        interpreted) plus its chunk-parallel jnp epilogue, from the forward's h and v_new (saved
+        as residuals, nothing recomputed);
+      "xla": the VJP of the jnp scan, recomputed from the primals.
+
+    ``backward=None`` picks: plain autodiff (no custom_vjp) for implementation="xla"; the
+    interpreted kernel for "interpret"; for "pallas" the compiled kernel once
+    ``chunk_h_bwd_pallas.USE_ON_GPU`` is set, the jnp VJP until then.
 
     Same arguments and results as ``chunk_h_xla``; cotangents take their primals' dtypes.
     """
-    if implementation == "xla":   # plain autodiff, no recomputation
+    backward = backward_implementation(implementation, backward)
+    if backward is None:   # plain autodiff, no recomputation
         return chunk_h_xla(k, w, u, g, runs, initial_state, chunk_size=chunk_size,
                            num_householder=num_householder)
     return _chunk_h(k, w, u, g, runs, initial_state,
-                    (chunk_size, num_householder, implementation))
+                    (chunk_size, num_householder, implementation, backward))
+
+
+def backward_implementation(implementation: str, backward: Optional[str] = None) -> Optional[str]:
+    """The backward chunk_h runs (see ``chunk_h``); None means plain autodiff of chunk_h_xla."""
+    if backward is not None:
+        return backward
+    if implementation == "xla":
+        return None
+    from gdp_jax import chunk_h_bwd_pallas
+    if implementation == "pallas" and not chunk_h_bwd_pallas.USE_ON_GPU:
+        return "xla"
+    return implementation
 
 
 def _chunk_h_forward(k, w, u, g, runs, initial_state, config):
-    chunk_size, num_householder, implementation = config
+    chunk_size, num_householder, implementation, _ = config
     kwargs = dict(chunk_size=chunk_size, num_householder=num_householder)
     if implementation == "xla":
         return chunk_h_xla(k, w, u, g, runs, initial_state, **kwargs)
@@ -99,14 +125,28 @@ def _chunk_h(k, w, u, g, runs, initial_state, config):
 
 
 def _chunk_h_fwd(k, w, u, g, runs, initial_state, config):
-    return (_chunk_h_forward(k, w, u, g, runs, initial_state, config),
-            (k, w, u, g, runs, initial_state))
+    outputs = _chunk_h_forward(k, w, u, g, runs, initial_state, config)
+    if config[3] == "xla":
+        return outputs, (k, w, u, g, runs, initial_state)
+    h, v_new, _ = outputs
+    # The kernel needs the forward's h and v_new, not u: keep only u's dtype (a scalar).
+    return outputs, (k, w, jnp.zeros((), u.dtype), g, runs, initial_state, h, v_new)
 
 
 def _chunk_h_bwd(config, residuals, cotangents):
-    k, w, u, g, runs, initial_state = residuals
-    chunk_size, num_householder, _ = config
+    chunk_size, num_householder, _, backward = config
     kwargs = dict(chunk_size=chunk_size, num_householder=num_householder)
+    if backward != "xla":
+        k, w, u_dtype, g, runs, initial_state, h, v_new = residuals
+        from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
+        dk, dw, du, dg, dinit = chunk_h_bwd_pallas(
+            k, w, g, runs, h, v_new, *cotangents, with_initial_state=initial_state is not None,
+            interpret=backward == "interpret", **kwargs)
+        cast = lambda x, primal: None if primal is None else x.astype(primal.dtype)
+        return (cast(dk, k), cast(dw, w), cast(du, u_dtype), cast(dg, g), None,
+                cast(dinit, initial_state))
+
+    k, w, u, g, runs, initial_state = residuals
     names = ["k", "w", "u"] + (["g"] if g is not None else []) \
         + (["initial_state"] if initial_state is not None else [])
     primals = dict(k=k, w=w, u=u, g=g, initial_state=initial_state)

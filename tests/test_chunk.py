@@ -117,10 +117,16 @@ def _case_problem(case):
                              initial_state=init, dtype=dtype)
 
 
-@pytest.mark.parametrize("case", FORWARD_CASES, ids=_case_id)
-def test_against_recurrence(case):
+# "interpret" runs the GPU path's kernels (WY on sub-chunks, the sub-chunk state walk, chunk_o) in
+# Pallas' interpreter: the chunk 128 case makes two 64-position sub-chunks per token chunk at M = 1,
+# the M = 3 cases split tokens across sub-chunks.
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
+@pytest.mark.parametrize("case", FORWARD_CASES + [
+    (200, 16, 16, 1, 128, True, True, True, np.float32),
+    (150, 16, 16, 3, 64, True, True, True, np.float32)], ids=_case_id)
+def test_against_recurrence(case, implementation):
     p = _case_problem(case)
-    o, final_state = run_op(p)
+    o, final_state = run_op(p, implementation)
     assert o.shape == p["ref"]["o"].shape and o.dtype == p["v"].dtype
     assert final_state.shape == p["ref"]["final_state"].shape and final_state.dtype == jnp.float32
     tol = TOL[case[-1]]
@@ -202,7 +208,8 @@ def test_interpret_gradients_match_xla():
         assert rel_err(got, want) < 1e-5, name
 
 
-def test_hand_built_segments():
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
+def test_hand_built_segments(implementation):
     # chunk 16, T = 48: segments [0,10) [10,16) [16] [17,30) [30,41) [41,48) in row 0 (one starts
     # on the chunk boundary 16 and has length 1, one crosses 32, ids repeat non-adjacently); row 1
     # starts segments at 15 and 33. The initial state must reach only each row's first segment.
@@ -210,23 +217,24 @@ def test_hand_built_segments():
                     [5] * 15 + [6] * 18 + [5] * 15], np.int32)
     p = make_full_problem(7, tokens=48, key_dim=16, value_dim=16, m=2, chunk_size=16,
                           segment_ids=ids)
-    o, final_state = run_op(p)
+    o, final_state = run_op(p, implementation)
     assert rel_err(o, p["ref"]["o"]) < TOL[np.float32]
     assert rel_err(final_state, p["ref"]["final_state"]) < TOL[np.float32]
     # Changing the initial state changes nothing after the first segment start.
-    o2, final2 = run_op(dict(p, initial_state=p["initial_state"] + 1.0))
+    o2, final2 = run_op(dict(p, initial_state=p["initial_state"] + 1.0), implementation)
     np.testing.assert_array_equal(np.asarray(o2)[0, 10:], np.asarray(o)[0, 10:])
     np.testing.assert_array_equal(np.asarray(o2)[1, 15:], np.asarray(o)[1, 15:])
     np.testing.assert_array_equal(np.asarray(final2), np.asarray(final_state))
 
 
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
 @pytest.mark.parametrize("tokens", [1, 17])
-def test_short_sequences(tokens):
+def test_short_sequences(tokens, implementation):
     # T = 1 and T = chunk_size + 1 (a one-token last chunk); row 1's last token starts a segment.
     ids = np.array([[0] * tokens, [0] * (tokens - 1) + [1]], np.int32)
     p = make_full_problem(tokens, tokens=tokens, key_dim=16, value_dim=16, m=2, chunk_size=16,
                           segment_ids=ids)
-    o, final_state = run_op(p)
+    o, final_state = run_op(p, implementation)
     assert rel_err(o, p["ref"]["o"]) < TOL[np.float32]
     assert rel_err(final_state, p["ref"]["final_state"]) < TOL[np.float32]
 
@@ -302,24 +310,19 @@ def test_decode_step_without_gate_and_scale():
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
-# One case, with use_qk_l2norm: the gradients of q and k then also pass through the normalisation.
-@pytest.mark.parametrize("use_qk_l2norm", [True])
-def test_gradients_against_recurrence(use_qk_l2norm):
+_GRAD_REFS = {}
+
+
+def _gradient_problem(use_qk_l2norm):
+    """Inputs, cotangents and float64 autodiff of the recurrence (cached: it is slow to compile)."""
+    if use_qk_l2norm in _GRAD_REFS:
+        return _GRAD_REFS[use_qk_l2norm]
     p = make_full_problem(41, batch=2, tokens=37, heads=2, key_dim=16, value_dim=8, m=2,
                           chunk_size=16, normalized_keys=not use_qk_l2norm)
     rng = np.random.default_rng(5)
     do = rng.normal(size=p["ref"]["o"].shape)
     dfinal = rng.normal(size=p["ref"]["final_state"].shape)
     seg = p["raw"]["segment_ids"]
-
-    def loss(q, k, v, g, beta, initial_state):
-        o, final_state = gdp_jax.chunk_gated_delta_product(
-            q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-            segment_ids=seg, use_qk_l2norm=use_qk_l2norm, chunk_size=16, implementation="xla")
-        return jnp.sum(o * do.astype(np.float32)) + jnp.sum(final_state * dfinal.astype(np.float32))
-
-    grads = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*[p[n] for n in GRAD_NAMES])
-
     with jax.enable_x64(True):
         def loss_ref(q, k, v, g, beta, initial_state):
             if use_qk_l2norm:
@@ -332,6 +335,26 @@ def test_gradients_against_recurrence(use_qk_l2norm):
         primals = [jnp.asarray(np.asarray(p["raw"][n], np.float64)) for n in GRAD_NAMES]
         expected = jax.grad(loss_ref, argnums=tuple(range(6)))(*primals)
         expected = [np.asarray(x) for x in expected]
+    _GRAD_REFS[use_qk_l2norm] = (p, do, dfinal, expected)
+    return _GRAD_REFS[use_qk_l2norm]
+
+
+# One case, with use_qk_l2norm: the gradients of q and k then also pass through the normalisation.
+# "interpret": the Pallas path's custom_vjps, kernels interpreted, against the same float64 autodiff.
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
+@pytest.mark.parametrize("use_qk_l2norm", [True])
+def test_gradients_against_recurrence(use_qk_l2norm, implementation):
+    p, do, dfinal, expected = _gradient_problem(use_qk_l2norm)
+    seg = p["raw"]["segment_ids"]
+
+    def loss(q, k, v, g, beta, initial_state):
+        o, final_state = gdp_jax.chunk_gated_delta_product(
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+            segment_ids=seg, use_qk_l2norm=use_qk_l2norm, chunk_size=16,
+            implementation=implementation)
+        return jnp.sum(o * do.astype(np.float32)) + jnp.sum(final_state * dfinal.astype(np.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*[p[n] for n in GRAD_NAMES])
     for name, grad, ref in zip(GRAD_NAMES, grads, expected):
         assert grad.dtype == p[name].dtype and grad.shape == p[name].shape, name
         assert rel_err(grad, ref) < GRAD_TOL, (name, rel_err(grad, ref))

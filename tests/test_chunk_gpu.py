@@ -1,7 +1,9 @@
-"""chunk_gated_delta_product and the chunk_h kernel compiled for the GPU, against the float64 recurrence.
+"""chunk_gated_delta_product and the chunk_h kernels compiled for the GPU, against the float64
+recurrence (forward) and jax.vjp of the jnp walk (backward).
 
-Skipped without a GPU. The chunk_h kernel has so far only run in Pallas' interpreter; once these
-pass on the H200, set gdp_jax.chunk_h_pallas.USE_ON_GPU = True so implementation="pallas" uses it.
+Skipped without a GPU. The full op's tests and test_chunk_h_kernel_compiled passed on an H200;
+once the test_chunk_h_bwd_* tests do too, set gdp_jax.chunk_h_bwd_pallas.USE_ON_GPU = True so that
+chunk_h(implementation="pallas") uses the backward kernel.
 """
 import jax
 import jax.numpy as jnp
@@ -9,12 +11,15 @@ import numpy as np
 import pytest
 
 import gdp_jax
+from gdp_jax.chunk_h import chunk_h, chunk_h_xla
+from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
 from gdp_jax.chunk_h_pallas import chunk_h_pallas
 from gdp_jax.cumsum import chunk_local_log2_cumsum
 from gdp_jax.segments import segment_runs
 from gdp_jax.wy import wy_xla
 from helpers import rel_err
 from test_chunk import make_full_problem
+from test_chunk_h_bwd import check, make_inputs, xla_vjp
 
 pytestmark = pytest.mark.gpu
 TOL = {np.float32: 2e-3, jnp.bfloat16: 2e-2}   # SPEC: tf32 dots / half inputs
@@ -48,3 +53,65 @@ def test_chunk_h_kernel_compiled(key_dim, value_dim, m):
     assert rel_err(h, p["ref"]["h"]) < TOL[np.float32]
     assert rel_err(v_new, p["ref"]["v_new"]) < TOL[np.float32]
     assert rel_err(final_state, p["ref"]["final_state"]) < TOL[np.float32]
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward of stage 3: the compiled reverse-walk kernel (+ jnp epilogue) against jax.vjp of the
+# jnp scan (full-precision einsums). k in the inputs' dtype; w, u (WY stage) are float32.
+
+_BWD_SHAPE = dict(batch=2, tokens=1000, heads=4, key_dim=128, value_dim=128, m=2, chunk_size=64)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("gated,segments,init", [(True, True, True), (False, False, False)])
+def test_chunk_h_bwd_kernel_compiled(dtype, gated, segments, init):
+    # The kernel alone, from the jnp forward's residuals (independent of the forward kernel).
+    primals, cotangents, kw = make_inputs(
+        3 + gated, gated=gated, segments=segments, init=init, k_dtype=dtype, **_BWD_SHAPE)
+
+    @jax.jit
+    def kernel_vjp(primals, cotangents):
+        k, w, u, g, runs, state0 = primals
+        h, v_new, _ = chunk_h_xla(k, w, u, g, runs, state0, **kw)
+        dk, dw, du, dg, dinit = chunk_h_bwd_pallas(
+            k, w, g, runs, h, v_new, *cotangents, with_initial_state=state0 is not None, **kw)
+        return dk.astype(k.dtype), dw, du, dg, dinit
+
+    check(kernel_vjp(primals, cotangents), xla_vjp(primals, cotangents, **kw), primals,
+          tol=TOL[dtype])
+
+
+@pytest.mark.parametrize("key_dim,value_dim,m,chunk_size", [(64, 256, 3, 64), (96, 48, 1, 32),
+                                                           (256, 128, 2, 64), (128, 128, 2, 128)])
+def test_chunk_h_bwd_kernel_widths_and_chunks(key_dim, value_dim, m, chunk_size):
+    # Other block choices of default_blocks: K = 256 (value blocks of 16), chunk 128 (8 warps),
+    # padded K and V, M = 1 and 3.
+    primals, cotangents, kw = make_inputs(
+        key_dim + value_dim, batch=2, tokens=333, heads=3, key_dim=key_dim, value_dim=value_dim,
+        m=m, chunk_size=chunk_size, gated=True, segments=True, init=True)
+
+    @jax.jit
+    def kernel_vjp(primals, cotangents):
+        k, w, u, g, runs, state0 = primals
+        h, v_new, _ = chunk_h_xla(k, w, u, g, runs, state0, **kw)
+        return chunk_h_bwd_pallas(k, w, g, runs, h, v_new, *cotangents, with_initial_state=True,
+                                  **kw)
+
+    check(kernel_vjp(primals, cotangents), xla_vjp(primals, cotangents, **kw), primals,
+          tol=TOL[np.float32])
+
+
+def test_chunk_h_custom_vjp_compiled():
+    # chunk_h's custom_vjp with both kernels compiled: forward kernel, residuals h and v_new,
+    # backward kernel.
+    primals, cotangents, kw = make_inputs(7, gated=True, segments=True, init=True, **_BWD_SHAPE)
+
+    @jax.jit
+    def pallas_vjp(primals, cotangents):
+        k, w, u, g, runs, state0 = primals
+        fn = lambda k, w, u, g, s: chunk_h(k, w, u, g, runs, s, implementation="pallas",
+                                           backward="pallas", **kw)
+        return jax.vjp(fn, k, w, u, g, state0)[1](cotangents)
+
+    check(pallas_vjp(primals, cotangents), xla_vjp(primals, cotangents, **kw), primals,
+          tol=TOL[np.float32])

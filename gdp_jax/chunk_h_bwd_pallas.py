@@ -1,0 +1,308 @@
+"""Backward of stage 3 (the chunk-state walk): a Pallas kernel (Triton lowering) for the reverse
+walk, then a chunk-parallel jnp epilogue. Together they are the exact VJP of ``chunk_h.chunk_h_xla``.
+
+Forward, per batch row and head (see chunk_h.py). Chunk c has L = BT*M positions j (j = t*M + m for
+token t of the chunk, padded to a whole chunk), chunk-local log2 decays gamma_j = g[t(j)] (padding
+repeats the last real token) and run numbers run_j:
+
+    S_in[c]   = 0 if reset[c] else S_out[c-1]          reset[c] = c > 0 and run[c0] != run[c0 - 1];
+                S_in[0] = initial_state (or 0)
+    h[c]      = S_in[c]                                                          [K, V]
+    v_new_c   = u_c - w_c h[c]                                                   [L, V]
+    S_out[c]  = d_c h[c] + kd_c^T v_new_c                                        [K, V]
+    final     = S_out[NT-1]
+    with  d_c = [run_first == run_last] 2^gamma_last,
+          a_j = [run_j == run_last] 2^(gamma_last - gamma_j),  kd_c[j] = a_j k_j.
+
+Cotangents: dh[c] (of h[c]), dv_new_c (of v_new_c), dfinal (of final). Write dS_c for the cotangent
+of S_out[c]. Reverse-mode through one chunk, with dS_c known:
+
+    dvt_c      = dv_new_c + kd_c dS_c                  total cotangent of v_new_c    [L, V]
+    du_c       = dvt_c                                 (v_new = u - w h)
+    dw_c       = -dvt_c h[c]^T                                                       [L, K]
+    dkd_c      = v_new_c dS_c^T                        (S_out = ... + kd^T v_new)    [L, K]
+    dd_c       = <h[c], dS_c>                          Frobenius product (S_out = d h + ...)
+    dS_in[c]   = dh[c] + d_c dS_c - w_c^T dvt_c        total cotangent of h[c]       [K, V]
+    dS_{c-1}   = 0 if reset[c] else dS_in[c]           (the reset multiplies by 0)
+    dS_{NT-1}  = dfinal;   dinitial_state = dS_in[0]   (reset[0] is false).
+
+k enters only through kd, so dk_j = a_j dkd_c[j]. g enters through a_j and d_c, both powers of two
+(d 2^x = ln2 2^x dx): with z_j = ln2 a_j (k_j . dkd_c[j]) and y_c = ln2 d_c dd_c,
+
+    dgamma_j    -= z_j                       for every position j,
+    dgamma_last += sum_j z_j + y_c,
+
+and a token's dg sums its M positions. "last" is the chunk's last (padded) token; for a partial last
+chunk that token is a copy of token T-1 (edge padding), so the padding's dg is added onto T-1, and
+padding positions themselves contribute nothing (their k, w, u are zero). dg is the gradient with
+respect to the chunk-local log2 decays this stage was given; the caller's cumsum is autodiffed.
+
+Split. Only the dS recurrence is sequential, and it is closed per value column: dvt_c[:, vb] and
+dS_in[c][:, vb] need only dS_c[:, vb] (and all of k, w). So the kernel runs one program per (value
+block, head, batch row), walks the chunks in reverse (a ``lax.fori_loop``) carrying dS [K, BV] in
+float32, and writes dvt (= du) and each chunk's dS_c (and dinitial_state). Everything else is a
+product of per-chunk quantities that are all known after the walk, so it runs chunk-parallel in jnp
+(batched matmuls over B*NT*H, full float32 precision): dw = -dvt h^T and dkd = v_new dS^T sum over
+the whole V, which a per-value-block program could only produce as partial sums (an extra
+[V/BV, ...] output per cotangent and a reduction). h and v_new are the forward's outputs, saved as
+residuals (no recomputation); the epilogue re-reads them and dS (one [B, NT, H, K, V] float32
+array, the size of h, written once and read once). This follows flash-linear-attention, whose
+bwd_dhu kernel also walks only the state and dv while dk/dw/dg come from a chunk-parallel kernel.
+The trade-off: a short walk per iteration (two [BT, BK] x [BK, BV]-sized dots per copy and key
+block, on the critical path) and full parallelism for the rest, for one extra h-sized round trip.
+
+Kernel details. The state cotangent is held as a tuple of [BK, BV] float32 tiles, one per key block
+(static Python loop), so no live tile is wider than [BT, BK] and [BK, BV]. The M copies of a chunk
+are a real inner ``lax.fori_loop`` (dynamic index on the copy axis), not unrolled: unrolled, every
+copy gets its own load/store sites whose address tensors the compiler hoists out of the chunk loop
+and keeps live (K = V = 128, M = 2: 255 registers and spills unrolled, 224 and none as a loop; see
+``default_blocks``). Dots are float32 (tf32 on the GPU, like the forward kernel). Reset flags and chunk-end
+values come from reductions over the chunk's vectors, not scalar loads: runs never decrease along T,
+so run_first = min(run), run_last = max(run), and the reset between chunk c-1 and c is applied one
+iteration later (when chunk c-1's runs are loaded), comparing with chunk c's run_first carried in
+the loop. gamma_last is a masked sum of the chunk's gamma vector. Rows, K and V are padded like the
+forward kernel (zero k, w, dv_new, dh, dfinal; edge-padded g and runs), which changes nothing.
+
+Status: tested through Pallas' interpreter on CPU (tests/test_chunk_h_bwd.py); lowered to Triton IR
+on CPU (jax 0.10.2) and that IR compiled offline for sm_90a (pip triton 3.9); not yet run on a GPU, so chunk_h uses it under implementation="pallas"
+only once USE_ON_GPU is set (after tests/test_chunk_gpu.py passes on a GPU).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Flip once the backward tests in tests/test_chunk_gpu.py pass on a GPU: then chunk_h's custom_vjp
+# runs this kernel for implementation="pallas" (it always does for "interpret").
+USE_ON_GPU = False
+
+_LN2 = math.log(2.0)
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _tile_width(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def default_blocks(key_dim: int, value_dim: int, chunk_size: int) -> tuple[int, int, int]:
+    """(block_k, block_v, num_warps) for K, V (padded to tile widths) and the chunk size.
+
+    Not yet measured on a GPU: chosen by compiling the kernel's Triton IR (lowered by jax 0.10.2
+    on CPU) offline with pip triton 3.9 for sm_90a and reading ptxas' register counts. All tiles
+    are float32. Registers go less to the data tiles than to the hoisted address tensors of every
+    load/store site, so smaller blocks (more sites) do not help: BK = 32 spills where BK = 64 does
+    not. Measured (regs/thread, spill bytes; chunk 64 unless noted, M = 2):
+      K = V = 128, BK 64: BV 32 4 warps 224/0, BV 64 253/0 (half the programs), BV 32 BK 32 255/24;
+      K = 256: BV 32 4 warps 255/20, BV 16 246/0;  chunk 128, K = 128 BV 32: 4 warps 255/316,
+      8 warps 236/0;  chunk 128, K = 256 BV 16 8 warps 246/0;  K = 64, V = 256, M = 3: 127/0.
+    Shared memory stays under 82 KiB in all of these. The walk is latency bound (one dependent
+    chain of dots per chunk), so narrower value blocks, i.e. more programs, are preferred.
+    """
+    kp, vp = _tile_width(key_dim), _tile_width(value_dim)
+    block_v = min(vp, 32 if kp <= 128 else 16)
+    return min(kp, 64), block_v, 8 if chunk_size >= 128 else 4
+
+
+def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: int,
+                        block_k: int, has_g: bool, has_segments: bool, has_initial_state: bool):
+    k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, *refs = refs
+    g_ref = refs.pop(0) if has_g else None
+    runs_ref = refs.pop(0) if has_segments else None
+    du_ref, dstate_ref, *refs = refs
+    dinit_ref = refs.pop(0) if has_initial_state else None
+    assert not refs
+    key_dim = dstate_ref.shape[-2]
+    key_blocks = [pl.ds(start, block_k) for start in range(0, key_dim, block_k)]
+    is_last = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
+
+    def one_chunk(i, carry):
+        ds, run_first_next = carry           # dS_in of chunk c+1 (unmasked) and its run_first
+        c = num_chunks - 1 - i
+        rows = pl.ds(c * chunk_size, chunk_size)
+        if has_segments:
+            run = runs_ref[rows]                                     # [BT] run numbers
+            run_first, run_last = jnp.min(run), jnp.max(run)         # runs never decrease
+            reset_next = (i > 0) & (run_first_next != run_last)      # chunk c+1 started a segment
+            ds = tuple(jnp.where(reset_next, 0.0, x) for x in ds)    # -> dS_c
+        else:
+            run_first = run_first_next
+        for kb, x in zip(key_blocks, ds):
+            dstate_ref[c, kb, :] = x
+        if has_g:
+            g = g_ref[rows]                                          # [BT] chunk-local log2 decays
+            g_last = jnp.sum(jnp.where(is_last, g, 0.0))
+            coeff = jnp.exp2(g_last - g)
+            carry_in = jnp.exp2(g_last)
+        else:
+            coeff = jnp.ones((chunk_size,), jnp.float32)
+            carry_in = jnp.float32(1.0)
+        if has_segments:
+            coeff = jnp.where(run == run_last, coeff, 0.0)           # a_j
+            carry_in = jnp.where(run_first == run_last, carry_in, 0.0)   # d_c
+        acc = tuple(dh_ref[c, kb, :] + carry_in * x for kb, x in zip(key_blocks, ds))
+
+        def one_copy(m, acc):
+            dvt = dv_ref[rows, m, :].astype(jnp.float32)             # [BT, BV]
+            for kb, x in zip(key_blocks, ds):
+                kd = k_ref[rows, m, kb].astype(jnp.float32) * coeff[:, None]   # [BT, BK]
+                dvt += plgpu.dot(kd, x)
+            du_ref[rows, m, :] = dvt
+            return tuple(a - plgpu.dot(w_ref[rows, m, kb].astype(jnp.float32), dvt,
+                                       trans_a=True)                 # [BK, BV]
+                         for kb, a in zip(key_blocks, acc))
+
+        if num_householder == 1:
+            acc = one_copy(0, acc)
+        else:
+            acc = jax.lax.fori_loop(0, num_householder, one_copy, acc)
+        return acc, run_first
+
+    ds = tuple(dfinal_ref[kb, :] for kb in key_blocks)
+    ds, _ = jax.lax.fori_loop(0, num_chunks, one_chunk, (ds, jnp.int32(0)))
+    if has_initial_state:                                            # dS_in[0], never reset
+        for kb, x in zip(key_blocks, ds):
+            dinit_ref[kb, :] = x
+
+
+def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_householder: int,
+                     with_initial_state: bool, interpret: bool = False,
+                     block_k: int | None = None, block_v: int | None = None,
+                     num_warps: int | None = None, num_stages: int = 1):
+    """The reverse walk alone: (dvt [B, T_pad*M, H, Vp], dS [B, NT, H, Kp, Vp], dinitial
+    [B, H, Kp, Vp] or None), float32, padded (T to whole chunks, K and V to tile widths)."""
+    batch, positions, heads, key_dim = k.shape
+    value_dim = dv_new.shape[-1]
+    m = num_householder
+    tokens = positions // m
+    num_chunks = -(-tokens // chunk_size)
+    pad_t = num_chunks * chunk_size - tokens
+    t_pad = tokens + pad_t
+    kp, vp = _tile_width(key_dim), _tile_width(value_dim)
+    bk, bv, warps = default_blocks(key_dim, value_dim, chunk_size)
+    block_k, block_v, num_warps = block_k or bk, block_v or bv, num_warps or warps
+    for name, block, width in (("block_k", block_k, kp), ("block_v", block_v, vp)):
+        if width % block or block < 16 or block & (block - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 dividing {width}; got {block}")
+    f32 = jnp.float32
+
+    def stream(x, width, padded_width):         # [B, T*M, H, X] -> [B, T_pad, M, H, X_pad]
+        # Kept in the caller's dtype (the kernel upcasts what it loads).
+        x = jnp.pad(x, ((0, 0), (0, pad_t * m), (0, 0), (0, padded_width - width)))
+        return x.reshape(batch, t_pad, m, heads, padded_width)
+
+    def state(x):                               # [..., K, V] -> [..., Kp, Vp]
+        pads = [(0, 0)] * (x.ndim - 2) + [(0, kp - key_dim), (0, vp - value_dim)]
+        return jnp.pad(x.astype(f32), pads)
+
+    operands = [stream(k, key_dim, kp), stream(w, key_dim, kp), stream(dv_new, value_dim, vp),
+                state(dh), state(dfinal)]
+    key_stream = pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0))
+    value_stream = pl.BlockSpec((None, t_pad, m, None, block_v),
+                                lambda vb, hd, b: (b, 0, 0, hd, vb))
+    states = pl.BlockSpec((None, num_chunks, None, kp, block_v),
+                          lambda vb, hd, b: (b, 0, hd, 0, vb))
+    one_state = pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb))
+    in_specs = [key_stream, key_stream, value_stream, states, one_state]
+    if g is not None:
+        operands.append(jnp.pad(g.astype(f32), ((0, 0), (0, pad_t), (0, 0)), mode="edge"))
+        in_specs.append(pl.BlockSpec((None, t_pad, None), lambda vb, hd, b: (b, 0, hd)))
+    if runs is not None:
+        operands.append(jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, pad_t)), mode="edge"))
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda vb, hd, b: (b, 0)))
+
+    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), f32),
+                 jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), f32)]
+    out_specs = [value_stream, states]
+    if with_initial_state:
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, kp, vp), f32))
+        out_specs.append(one_state)
+
+    kernel = functools.partial(
+        _chunk_h_bwd_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
+        block_k=block_k, has_g=g is not None, has_segments=runs is not None,
+        has_initial_state=with_initial_state)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shape),
+        grid=(vp // block_v, heads, batch),
+        in_specs=in_specs,
+        out_specs=tuple(out_specs),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="gdp_chunk_h_bwd",
+    )
+    with warnings.catch_warnings():
+        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend this kernel targets.
+        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+        outs = call(*operands)
+    dvt, dstate = outs[0], outs[1]
+    dinit = outs[2] if with_initial_state else None
+    return dvt.reshape(batch, t_pad * m, heads, vp), dstate, dinit
+
+
+def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_size: int,
+                       num_householder: int, with_initial_state: bool, interpret: bool = False,
+                       **walk_kwargs):
+    """(dk, dw, du, dg, dinitial_state), float32: the VJP of ``chunk_h.chunk_h_xla``.
+
+    Primals: k, w [B, T*M, H, K]; g [B, T, H] chunk-local log2 decays or None; runs [B, T] int32
+    or None. Forward results (residuals): h [B, NT, H, K, V], v_new [B, T*M, H, V]. Cotangents:
+    dh [B, NT, H, K, V], dv_new [B, T*M, H, V], dfinal [B, H, K, V]. dg is None when g is None,
+    dinitial_state None unless ``with_initial_state``. ``walk_kwargs`` (block_k, block_v,
+    num_warps, num_stages) go to the kernel.
+    """
+    batch, positions, heads, key_dim = k.shape
+    value_dim = v_new.shape[-1]
+    m = num_householder
+    tokens = positions // m
+    num_chunks = -(-tokens // chunk_size)
+    t_pad = num_chunks * chunk_size
+    length = chunk_size * m
+    f32 = jnp.float32
+
+    dvt, dstate, dinit = chunk_h_bwd_walk(
+        k, w, g, runs, dh, dv_new, dfinal, chunk_size=chunk_size, num_householder=m,
+        with_initial_state=with_initial_state, interpret=interpret, **walk_kwargs)
+    dvt = dvt[..., :value_dim]                                        # [B, T_pad*M, H, V]
+    ds = dstate[..., :key_dim, :value_dim]                            # dS_c, [B, NT, H, K, V]
+
+    # Epilogue, chunk-parallel, in the native [B, NT, L, H, *] layout (free reshapes, no moves).
+    def chunked(x):                                                   # [B, T*M, H, X] -> [B, NT, L, H, X]
+        x = jnp.pad(x.astype(f32), ((0, 0), (0, (t_pad - tokens) * m), (0, 0), (0, 0)))
+        return x.reshape(batch, num_chunks, length, heads, x.shape[-1])
+
+    kc, vc = chunked(k), chunked(v_new)
+    dvt_c = dvt.reshape(batch, num_chunks, length, heads, value_dim)
+    hc = h.astype(f32)
+    gamma = (jnp.zeros((batch, t_pad, heads), f32) if g is None else
+             jnp.pad(g.astype(f32), ((0, 0), (0, t_pad - tokens), (0, 0)), mode="edge"))
+    gamma = gamma.reshape(batch, num_chunks, chunk_size, heads)      # [B, NT, BT, H]
+    coeff = jnp.exp2(gamma[:, :, -1:] - gamma)                        # a_j per token
+    carry_in = jnp.exp2(gamma[:, :, -1])                              # d_c, [B, NT, H]
+    if runs is not None:
+        run = jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, t_pad - tokens)), mode="edge")
+        run = run.reshape(batch, num_chunks, chunk_size)
+        coeff = jnp.where((run == run[:, :, -1:])[..., None], coeff, 0.0)
+        carry_in = jnp.where((run[:, :, :1] == run[:, :, -1:]), carry_in, 0.0)
+    coeff = jnp.repeat(coeff, m, axis=2) if m > 1 else coeff         # [B, NT, L, H]
+
+    dw = -jnp.einsum("bnlhv,bnhkv->bnlhk", dvt_c, hc, precision=_HIGHEST)
+    dkd = jnp.einsum("bnlhv,bnhkv->bnlhk", vc, ds, precision=_HIGHEST)
+    dk = coeff[..., None] * dkd
+    flat = lambda x: x.reshape(batch, t_pad * m, heads, x.shape[-1])[:, :positions]
+    dg = None
+    if g is not None:
+        z = _LN2 * coeff * jnp.sum(kc * dkd, axis=-1)                 # [B, NT, L, H]
+        y = _LN2 * carry_in * jnp.einsum("bnhkv,bnhkv->bnh", hc, ds, precision=_HIGHEST)
+        dgamma = -z.reshape(batch, num_chunks, chunk_size, m, heads).sum(axis=3)
+        dgamma = dgamma.at[:, :, -1].add(z.sum(axis=2) + y)           # [B, NT, BT, H]
+        dgamma = dgamma.reshape(batch, t_pad, heads)
+        dg = dgamma[:, :tokens].at[:, -1].add(dgamma[:, tokens:].sum(axis=1))   # edge padding
+    dinit = None if dinit is None else dinit[..., :key_dim, :value_dim]
+    return flat(dk), flat(dw), dvt[:, :positions], dg, dinit

@@ -18,6 +18,11 @@ so, with T = (I + A)^{-1}, v_new = u - w h[c] for
 
 A is block diagonal over the segments inside a chunk (the segment mask), so a segment start inside
 the chunk needs nothing more: rows after it never see h[c] (live = 0) nor earlier positions.
+
+(I + A)^{-1} is formed by block doubling with batched matmuls (``unit_lower_inverse``), not with
+lax.linalg.triangular_solve: on CPU, jaxlib 0.10's LAPACK trsm splits large batches over XLA's
+thread pool and then waits on it, so two solves running at once (w and u, or their VJPs) can
+deadlock a 2-thread pool (seen as a training loop asleep on a futex; examples/tiny_lm.py's history).
 """
 from __future__ import annotations
 
@@ -66,7 +71,36 @@ def wy_xla(k, v, beta, g, runs, *, chunk_size: int, num_householder: int):
     live = (run == run[..., :1]).astype(f32)                              # same segment as c0
     rhs_w = (bc * live * jnp.exp2(gamma))[..., None] * kc
     rhs_u = bc[..., None] * vc
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(
-        a, rhs, left_side=True, lower=True, unit_diagonal=True)           # (I + A)^{-1} rhs
+    t_inv = unit_lower_inverse(a)                                         # (I + A)^{-1}
+    solve = lambda rhs: jnp.einsum("...ji,...id->...jd", t_inv, rhs, precision=_HIGHEST)
     w, u = solve(rhs_w), solve(rhs_u)
     return from_chunks(w, positions), from_chunks(u, positions)
+
+
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + A)^{-1} for strictly lower triangular a [..., L, L], with batched matmuls only.
+
+    Doubles the width s of the inverted diagonal blocks: [[X, 0], [C, Y]]^{-1} =
+    [[X^{-1}, 0], [-Y^{-1} C X^{-1}, Y^{-1}]]. No LAPACK call (jaxlib 0.10's CPU trsm can deadlock
+    XLA's thread pool when several run at once) and plain autodiff.
+    """
+    length = a.shape[-1]
+    size = 1 << max(0, (length - 1).bit_length())
+    if size != length:
+        pad = [(0, 0)] * (a.ndim - 2) + [(0, size - length)] * 2
+        a = jnp.pad(a, pad)
+    batch = a.shape[:-2]
+    inv = jnp.ones(batch + (size, 1, 1), a.dtype)             # inverses of the 1x1 diagonal blocks
+    s = 1
+    while s < size:
+        n = size // (2 * s)
+        blocks = a.reshape(batch + (n, 2 * s, n, 2 * s))
+        diag = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)   # [..., n, 2s, 2s]
+        c = diag[..., s:, :s]
+        x, y = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        lower_left = -jnp.einsum("...ij,...jk,...kl->...il", y, c, x, precision=_HIGHEST)
+        top = jnp.concatenate([x, jnp.zeros_like(x)], axis=-1)
+        bottom = jnp.concatenate([lower_left, y], axis=-1)
+        inv = jnp.concatenate([top, bottom], axis=-2)
+        s *= 2
+    return inv[..., 0, :length, :length]

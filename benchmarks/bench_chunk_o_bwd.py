@@ -73,7 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--op", action="store_true", help="also time the public op's backward (op_bwd)")
     p.add_argument("--config", default="",
                    help="override the backward's launch config, e.g. 'block_k=64,block_v=64,num_warps=4' "
-                        "(fields of gdp_jax.chunk_o_bwd_pallas.BwdKernelConfig)")
+                        "or 'variant=roles,roles=dh|dq|dkv/m,num_warps=4' (fields of "
+                        "gdp_jax.chunk_o_bwd_pallas.BwdKernelConfig; benchmarks/tune_chunk_o_bwd.py sweeps them)")
     p.add_argument("--interpret", action="store_true",
                    help="run the Pallas kernels in Pallas' interpreter (CPU logic check only)")
     p.add_argument("--sets", type=int, default=3,
@@ -87,6 +88,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.sets = max(3, args.sets)
     return args
+
+
+def _config_value(text):
+    """An int field of BwdKernelConfig, or a string one (variant, roles)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def make_set(key, shp, dtype, bt, gated, segs, rng):
@@ -160,8 +169,8 @@ def main(argv=None):
         kw = dict(scale=K ** -0.5, chunk_size=bt, num_householder=M)
         cfg = bwd_kernel_config(K, V, bt, M, jnp.dtype(dtype).itemsize)
         if args.config:
-            cfg = dataclasses.replace(cfg, **{key.strip(): int(val) for key, val in
-                                              (item.split("=") for item in args.config.split(","))})
+            cfg = dataclasses.replace(cfg, **{key.strip(): _config_value(val.strip()) for key, val in
+                                              (item.split("=", 1) for item in args.config.split(","))})
         row = dict(shape=label, dtype=args.dtype, chunk=bt, gated=not args.no_g, **shp,
                    bwd_config=dataclasses.asdict(cfg))
         log(f"\n=== [{si + 1}/{len(shapes)}] {label} {args.dtype} === bwd config {row['bwd_config']}")

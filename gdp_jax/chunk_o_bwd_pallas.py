@@ -66,6 +66,24 @@ The last chunk may be partial: rows past T load zeros (run number _PAD_RUN) and 
 the pair mask also requires row t to be real, so 2^(g[t]-g[s]) is only ever formed for real pairs with
 s <= t (the exponent is masked before exp2: a padding row has g = 0 and 2^(0 - g[s]) could overflow,
 and inf * 0 would leak NaN into real columns of dv and dk).
+
+Variants (``BwdKernelConfig.variant``; one jitted call each, all exact and under the same masking
+rules; the others live in ``chunk_o_bwd_pallas_split``, whose docstring has the details):
+
+* ``"fused"`` (this kernel, the default until a GPU sweep says otherwise): one program per chunk does
+  everything. Measured on an H200 (bf16, B8 T4096 H16 K=V=128 M2): 1.44 ms, 4.7x the forward, 33 % of
+  its bandwidth floor. Compiled offline for sm_90 it needs 255 registers and spills (one 8-warp
+  program per SM), mostly for what the copy loop keeps live: hoisted address tensors, P, dq.
+* ``"roles"``: one call, several programs per chunk (one per *role*, a subset of the tasks dh, dq,
+  dkv; dkv optionally one program per copy, so no copy loop), launched side by side so their common
+  inputs come from L2: fused HBM traffic, lighter programs ("dh|dq|dkv/m": 231 registers, no spill at
+  4 warps offline, i.e. two programs per SM like the forward).
+* ``"split"``: dh in its own call (grid over dh_block_k x dh_block_v blocks), the rest in a roles
+  call; q and do are read from HBM twice (+13 %). Issue 3's idea (a) with the dh-only first kernel.
+* ``"split_state"``: dh and the carried-state term of dq (float32 [B, T, H, K]) in a first call, the
+  copy loop in a second that reads no h (+40 % traffic). Issue 3's idea (a) as first stated.
+
+``benchmarks/tune_chunk_o_bwd.py`` sweeps the variants, roles, warps and stages on a GPU.
 """
 from __future__ import annotations
 
@@ -80,18 +98,42 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gdp_jax.chunk_o_bwd_pallas_split import chunk_o_bwd_split
 from gdp_jax.chunk_o_pallas import _PAD_RUN, _load_rows
 
 _LN2 = math.log(2.0)
 
 
+VARIANTS = ("fused", "roles", "split", "split_state")
+
+
 @dataclasses.dataclass(frozen=True)
 class BwdKernelConfig:
-    """Launch parameters; chosen per shape by ``bwd_kernel_config``."""
+    """Launch parameters; chosen per shape by ``bwd_kernel_config``.
+
+    ``variant`` picks the structure (module docstring, "Variants"); ``roles`` divides the tasks of
+    the "roles" variant, or of the second call of "split" / "split_state", among programs (syntax in
+    ``chunk_o_bwd_pallas_split``; "" means the variant's default). block_k, block_v, num_warps and
+    num_stages are those of the fused kernel, or of the roles kernel; the ``dh_*`` fields are the
+    dh task's blocks and, for split variants, the launch of their dh kernel (0: the field without
+    the prefix).
+    """
     block_k: int
     block_v: int
     num_warps: int
     num_stages: int
+    variant: str = "fused"
+    dh_block_k: int = 0
+    dh_block_v: int = 0
+    dh_num_warps: int = 0
+    dh_num_stages: int = 0
+    roles: str = ""
+
+    def resolved_roles(self) -> str:
+        return self.roles or _DEFAULT_ROLES.get(self.variant, "")
+
+
+_DEFAULT_ROLES = {"roles": "dh|dq|dkv/m", "split": "dq|dkv/m", "split_state": "dq|dkv/m"}
 
 
 def bwd_kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int,
@@ -104,6 +146,9 @@ def bwd_kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_househo
     160 KiB for float32 K = V = 256 at chunk 64. float32 at chunk 128 with K = 256 still needs
     ~288 KiB (the forward ~256 KiB there). 8 warps at chunk >= 64: at 4 warps the register spills
     roughly quadruple (the forward, lighter, measured 4 faster). The copy loop is not pipelined.
+
+    The variant stays "fused" (the measured kernel) until ``benchmarks/tune_chunk_o_bwd.py`` has
+    timed the others on an H200; a config with another ``variant`` can be passed meanwhile.
     """
     del num_householder  # copies are processed one after another; M does not change the tiles
     block_k, block_v = min(key_dim, 128), min(value_dim, 128 if key_dim <= 128 else 64)
@@ -234,9 +279,24 @@ def chunk_o_bwd_pallas(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
         raise ValueError(f"do must have shape {(batch, tokens, heads, value_dim)}; got {do.shape}")
     do = do.astype(v.dtype)
     cfg = config or bwd_kernel_config(key_dim, value_dim, chunk_size, m, jnp.dtype(q.dtype).itemsize)
-    for name, block, width in (("block_k", cfg.block_k, key_dim), ("block_v", cfg.block_v, value_dim)):
+    if cfg.variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; got {cfg.variant!r}")
+    blocks = [("block_k", cfg.block_k, key_dim), ("block_v", cfg.block_v, value_dim)]
+    if cfg.variant != "fused":
+        blocks += [("dh_block_k", cfg.dh_block_k or cfg.block_k, key_dim),
+                   ("dh_block_v", cfg.dh_block_v or cfg.block_v, value_dim)]
+    for name, block, width in blocks:
         if width % block or block < 16 or block & (block - 1):
             raise ValueError(f"{name} must be a power of two >= 16 dividing {width}; got {block}")
+    if cfg.variant != "fused":
+        return chunk_o_bwd_split(
+            q, k, v, h, g, runs, do, scale=scale, chunk_size=chunk_size, num_householder=m,
+            interpret=interpret, variant=cfg.variant, roles=cfg.resolved_roles(),
+            block_k=cfg.block_k, block_v=cfg.block_v,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            dh_block_k=cfg.dh_block_k or cfg.block_k, dh_block_v=cfg.dh_block_v or cfg.block_v,
+            dh_num_warps=cfg.dh_num_warps or cfg.num_warps,
+            dh_num_stages=cfg.dh_num_stages or cfg.num_stages)
     # Heads vary fastest in launch order, so neighbouring programs read neighbouring head slices of
     # the same [BT, H, *] rows (the forward measured this order faster on an H200).
     grid = (heads, num_chunks, batch)

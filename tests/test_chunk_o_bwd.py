@@ -4,7 +4,11 @@ CPU: the kernel in Pallas' interpreter on small shapes, against float64 autodiff
 dense statement of SPEC's chunked form (helpers.dense_chunked_form); the jnp path's own VJP checked
 against float64 finite differences. GPU (marked, skipped elsewhere): the compiled Triton kernel at
 realistic shapes, against jax.vjp of the jnp path (itself checked here).
+
+The other structures (BwdKernelConfig.variant, chunk_o_bwd_pallas_split) run the same checks on a
+covering subset of shapes, each with several key and value blocks.
 """
+import dataclasses
 import functools
 
 import jax
@@ -14,7 +18,7 @@ import pytest
 
 from gdp_jax import reference
 from gdp_jax.chunk_o import chunk_o_xla
-from gdp_jax.chunk_o_bwd_pallas import BwdKernelConfig, chunk_o_bwd_pallas
+from gdp_jax.chunk_o_bwd_pallas import BwdKernelConfig, bwd_kernel_config, chunk_o_bwd_pallas
 from gdp_jax.segments import segment_runs
 from helpers import dense_chunked_form, make_problem, random_segment_ids, rel_err
 
@@ -72,9 +76,37 @@ def _dense_vjp(q, k, v, h, g, runs, do, *, scale, chunk_size, num_householder):
     return tuple(grads) + ((None,) if g is None else ())
 
 
-def _check(args, kw, tol, interpret=True):
+# Variant name -> (variant, roles): every structure, and within "roles" and "split" the shapes of role
+# sets the kernel supports (per-copy dkv programs or a copy loop; dg in one role or in slots; one role
+# or several in a call).
+VARIANTS = {
+    "roles": ("roles", "dh|dq|dkv/m"),
+    "roles_dh_dq": ("roles", "dkv/m|dh+dq"),
+    "roles_loop": ("roles", "dkv|dq|dh"),
+    "roles_one": ("roles", "dh+dq+dkv"),
+    "split": ("split", "dq|dkv/m"),
+    "split_one": ("split", "dq+dkv"),
+    "split_state": ("split_state", "dq|dkv/m"),
+}
+
+
+def _variant_config(name, *, block_k=16, block_v=16, dh_block_k=0, dh_block_v=0, **launch):
+    variant, roles = VARIANTS[name]
+    launch = dict(dict(num_warps=4, num_stages=1), **launch)
+    return BwdKernelConfig(block_k=block_k, block_v=block_v, variant=variant, roles=roles,
+                           dh_block_k=dh_block_k, dh_block_v=dh_block_v, **launch)
+
+
+def _gpu_variant_config(name, key_dim, value_dim, chunk_size, m, dtype):
+    """The default blocks for the shape, with the variant's structure and 4 warps."""
+    variant, roles = VARIANTS[name]
+    base = bwd_kernel_config(key_dim, value_dim, chunk_size, m, jnp.dtype(dtype).itemsize)
+    return dataclasses.replace(base, variant=variant, roles=roles, num_warps=4)
+
+
+def _check(args, kw, tol, interpret=True, config=None):
     q, k, v, h, g, runs, do = args
-    got = chunk_o_bwd_pallas(*args, interpret=interpret, **kw)
+    got = chunk_o_bwd_pallas(*args, interpret=interpret, config=config, **kw)
     want = (_dense_vjp if interpret else _xla_vjp)(*args, **kw)
     primals = (q, k, v, h, g)
     for name, x, ref, primal in zip(NAMES, got, want, primals):
@@ -120,6 +152,47 @@ def test_default_blocks_of_wide_heads(key_dim, value_dim, gated):
     _check(args, kw, 1e-5)
 
 
+# The three structures meet every (g, segments) combination, M = 1..3, whole and partial last chunks;
+# the other role sets two of those cases (M = 3 with g and segments, a partial chunk without g).
+_VARIANT_GRID = [(77, 3, True, True), (45, 2, False, True), (64, 2, False, False), (77, 1, True, False)]
+_MAIN_VARIANTS = ("roles", "split", "split_state")
+_VARIANT_CASES = [(name, case) for name in VARIANTS
+                  for case in (_VARIANT_GRID if name in _MAIN_VARIANTS else _VARIANT_GRID[:2])]
+
+
+@pytest.mark.parametrize("name,case", _VARIANT_CASES)
+def test_variants_float32_against_dense_autodiff(name, case):
+    """K = 32, V = 64 in 16-wide blocks (2 x 4); dh in its own blocks (32 x 16) for half the cases."""
+    tokens, m, gated, segments = case
+    i = _VARIANT_GRID.index(case)
+    args, kw = _inputs(200 + i, tokens=tokens, m=m, chunk_size=16, key_dim=32, value_dim=64,
+                       gated=gated, segments=segments, batch=1, heads=2)
+    config = _variant_config(name, dh_block_k=32 if i % 2 else 0, dh_block_v=16 if i % 2 else 0)
+    _check(args, kw, 1e-5, config=config)
+
+
+@pytest.mark.parametrize("name", _MAIN_VARIANTS)
+def test_variants_bfloat16_against_dense_autodiff(name):
+    args, kw = _inputs(300, tokens=77, m=2, chunk_size=16, key_dim=32, value_dim=16, gated=True,
+                       segments=True, dtype=jnp.bfloat16, h_dtype=jnp.float32, batch=1, heads=2)
+    _check(args, kw, 2e-2, config=_variant_config(name))
+
+
+def test_variant_and_roles_are_checked():
+    args, kw = _inputs(9, tokens=20, m=2, chunk_size=16, key_dim=16, value_dim=16, gated=True,
+                       segments=False, batch=1, heads=1)
+    for bad, match in [(dict(variant="nope"), "variant"),
+                       (dict(variant="roles", roles="dh|dq"), "all of"),
+                       (dict(variant="roles", roles="dh|dq|dq+dkv"), "at most once"),
+                       (dict(variant="roles", roles="dh|dq|dkv|dx"), "at most once"),
+                       (dict(variant="roles", roles="dh|dq+dkv/m"), "per copy"),
+                       (dict(variant="split", roles="dh|dq|dkv"), "runs dh apart"),
+                       (dict(variant="split", dh_block_v=48), "dh_block_v")]:
+        config = BwdKernelConfig(block_k=16, block_v=16, num_warps=4, num_stages=1, **bad)
+        with pytest.raises(ValueError, match=match):
+            chunk_o_bwd_pallas(*args, interpret=True, config=config, **kw)
+
+
 def test_config_override_splits_key_and_value_blocks():
     """block_k = 16 < K = 32 and block_v = 16 < V = 64: 2 x 4 blocks, with M = 3, g and segments."""
     args, kw = _inputs(9, tokens=45, m=3, chunk_size=16, key_dim=32, value_dim=64, gated=True,
@@ -133,8 +206,9 @@ def test_config_override_splits_key_and_value_blocks():
         chunk_o_bwd_pallas(*args, interpret=True, config=bad, **kw)
 
 
+@pytest.mark.parametrize("name", [None] + list(VARIANTS))
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
-def test_strong_decay_in_partial_chunk_stays_finite(interpret):
+def test_strong_decay_in_partial_chunk_stays_finite(interpret, name):
     """Padding rows of the last chunk must not form 2^(0 - g[s]) = inf (inf * 0 = NaN in dk, dv, dg).
 
     Two steps of -100 (log2) near the end of the partial last chunk put g below -128 there. Reference:
@@ -150,9 +224,10 @@ def test_strong_decay_in_partial_chunk_stays_finite(interpret):
     g = jnp.asarray(np.concatenate([np.cumsum(steps[:, i:i + chunk_size], axis=1)
                                     for i in range(0, tokens, chunk_size)], axis=1))
     assert float(g.min()) < -128
-    got = chunk_o_bwd_pallas(q, k, v, h, g, None, do, interpret=interpret, **kw)
-    for name, x in zip(NAMES, got):
-        assert bool(jnp.all(jnp.isfinite(x))), name
+    config = None if name is None else _variant_config(name)
+    got = chunk_o_bwd_pallas(q, k, v, h, g, None, do, interpret=interpret, config=config, **kw)
+    for out_name, x in zip(NAMES, got):
+        assert bool(jnp.all(jnp.isfinite(x))), out_name
 
     extra = -(-tokens // chunk_size) * chunk_size - tokens
     pad = lambda x, n, mode="constant": jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), mode=mode)
@@ -160,17 +235,19 @@ def test_strong_decay_in_partial_chunk_stays_finite(interpret):
                     pad(do, extra), **kw)
     want = [want[0][:, :tokens], want[1][:, :tokens * m], want[2][:, :tokens * m], want[3],
             want[4][:, :tokens]]
-    for name, x, ref in zip(NAMES, got, want):
-        assert rel_err(x, ref) < (1e-5 if interpret else 2e-3), name
+    for out_name, x, ref in zip(NAMES, got, want):
+        assert rel_err(x, ref) < (1e-5 if interpret else 2e-3), out_name
 
 
-def test_under_jit():
+@pytest.mark.parametrize("name", [None, "roles", "split_state"])
+def test_under_jit(name):
     args, kw = _inputs(11, tokens=50, m=2, chunk_size=16, key_dim=16, value_dim=16, gated=True,
                        segments=True, batch=1, heads=2)
-    got = jax.jit(functools.partial(chunk_o_bwd_pallas, interpret=True, **kw))(*args)
-    want = chunk_o_bwd_pallas(*args, interpret=True, **kw)
-    for name, x, ref in zip(NAMES, got, want):
-        assert rel_err(x, ref) < 1e-6, name
+    config = None if name is None else _variant_config(name)
+    got = jax.jit(functools.partial(chunk_o_bwd_pallas, interpret=True, config=config, **kw))(*args)
+    want = chunk_o_bwd_pallas(*args, interpret=True, config=config, **kw)
+    for out_name, x, ref in zip(NAMES, got, want):
+        assert rel_err(x, ref) < 1e-6, out_name
 
 
 def test_xla_vjp_against_finite_differences():
@@ -222,3 +299,30 @@ def test_gpu_shapes(m, chunk_size, key_dim, value_dim):
                        value_dim=value_dim, gated=True, segments=True, dtype=jnp.bfloat16, batch=2,
                        heads=3)
     _check(args, kw, 2e-2, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("m,dim,dtype,gated,segments", [(2, 128, jnp.bfloat16, True, True),
+                                                        (3, 128, np.float32, False, False),
+                                                        (1, 64, jnp.bfloat16, True, False),
+                                                        (2, 64, np.float32, True, True)])
+def test_gpu_variants_against_xla_vjp(name, m, dim, dtype, gated, segments):
+    """Each variant compiled (default blocks, 4 warps) at a realistic shape with a partial last chunk;
+    tf32 dots for float32 (SPEC: 2e-3), bf16 2e-2."""
+    args, kw = _inputs(dim + m, tokens=1000, m=m, chunk_size=64, key_dim=dim, value_dim=dim,
+                       gated=gated, segments=segments, dtype=dtype, batch=2, heads=4)
+    config = _gpu_variant_config(name, dim, dim, 64, m, dtype)
+    _check(args, kw, 2e-3 if dtype == np.float32 else 2e-2, interpret=False, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["roles", "split", "split_state"])
+@pytest.mark.parametrize("num_warps,num_stages", [(8, 1), (4, 2), (4, 3)])
+def test_gpu_variant_launches(name, num_warps, num_stages):
+    """The launch settings the sweep tries, on one shape: results do not depend on them."""
+    args, kw = _inputs(17, tokens=700, m=2, chunk_size=64, key_dim=128, value_dim=128, gated=True,
+                       segments=True, dtype=jnp.bfloat16, batch=2, heads=3)
+    config = dataclasses.replace(_gpu_variant_config(name, 128, 128, 64, 2, jnp.bfloat16),
+                                 num_warps=num_warps, num_stages=num_stages)
+    _check(args, kw, 2e-2, interpret=False, config=config)

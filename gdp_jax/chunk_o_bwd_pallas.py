@@ -147,13 +147,21 @@ def bwd_kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_househo
     ~288 KiB (the forward ~256 KiB there). 8 warps at chunk >= 64: at 4 warps the register spills
     roughly quadruple (the forward, lighter, measured 4 faster). The copy loop is not pipelined.
 
-    The variant stays "fused" (the measured kernel) until ``benchmarks/tune_chunk_o_bwd.py`` has
-    timed the others on an H200; a config with another ``variant`` can be passed meanwhile.
+    Variant, measured on an H200 (benchmarks/tune_chunk_o_bwd.py, bf16, chunk 64, B=8 T=4096 H=16
+    K=V=128 M=2; RESULTS.md): "roles" with roles "dh|dq|dkv" at 4 warps, 1 stage 0.916 ms, against
+    1.445 ms for "fused" at 8 warps (the former default), 0.96-0.98 ms for "dh|dq|dkv/m" and
+    1.02-1.06 ms for "split". It is the default for 16-bit inputs with K, V <= 128 at chunk <= 64:
+    the same tiles as the measured case (M only changes a loop count). Its cotangents matched the jnp
+    VJP on the GPU there (3.0e-3, as "fused"). Everything else (float32, K or V = 256, chunk 128)
+    keeps "fused": not yet timed, and "roles" spills heavily at K = V = 256.
     """
     del num_householder  # copies are processed one after another; M does not change the tiles
     block_k, block_v = min(key_dim, 128), min(value_dim, 128 if key_dim <= 128 else 64)
     if itemsize >= 4 and chunk_size >= 128:
         block_k, block_v = min(key_dim, 64), min(value_dim, 64)
+    if itemsize == 2 and key_dim <= 128 and value_dim <= 128 and chunk_size <= 64:
+        return BwdKernelConfig(block_k=block_k, block_v=block_v, num_warps=4, num_stages=1,
+                               variant="roles", roles="dh|dq|dkv")
     num_warps = 8 if chunk_size >= 64 else 4
     return BwdKernelConfig(block_k=block_k, block_v=block_v, num_warps=num_warps, num_stages=1)
 

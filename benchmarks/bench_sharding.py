@@ -1,11 +1,19 @@
 #!/usr/bin/env python3
-"""Scaling of gdp_jax.sharded_chunk_gdp_fwd_o over N GPUs (issue 7), forward and forward+backward.
+"""Scaling of gdp_jax.sharded_chunk_gdp_fwd_o (--op chunk_o, the default) or of the full op
+gdp_jax.sharded_chunk_gated_delta_product (--op full) over N GPUs (issue 7), forward and
+forward+backward.
 
 Run on a 2-GPU box from the repo root:
 
     PYTHONPATH=. python3 benchmarks/bench_sharding.py --out $OUT/sharding.json
     PYTHONPATH=. python3 benchmarks/bench_sharding.py --shapes quick --no-grad
+    PYTHONPATH=. python3 benchmarks/bench_sharding.py --op full --out $OUT/sharding_full.json
     PYTHONPATH=. python3 benchmarks/bench_sharding.py --cpu-devices 2 --shapes tiny --impl xla   # CPU logic check
+    PYTHONPATH=. python3 benchmarks/bench_sharding.py --cpu-devices 2 --shapes tiny --impl xla --op full
+
+--op chunk_o times chunk_gdp_fwd_o(q, k, v, h, g); --op full times chunk_gated_delta_product(q, k, v,
+g, beta) (natural-log gate g, no initial state, o only; the backward differentiates q, k, v, g and
+beta). In both, fwd+bwd is jax.grad of sum(o**2).
 
 For each shape and layout (``data``: B split over N devices; ``model``: H split over N devices):
   * sharded   : the wrapper on the whole problem, inputs already laid out as it wants (jit);
@@ -45,6 +53,9 @@ COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "coll
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--op", default="chunk_o", choices=["chunk_o", "full"],
+                    help="chunk_o: sharded_chunk_gdp_fwd_o (default); full: the full op "
+                         "sharded_chunk_gated_delta_product")
     ap.add_argument("--shapes", default="default", help=f"one of {sorted(SHAPE_SETS)}")
     ap.add_argument("--devices", type=int, default=2, help="GPUs to shard over (default 2)")
     ap.add_argument("--impl", default=None, help="implementation (default: pallas on GPU, xla on CPU)")
@@ -72,7 +83,7 @@ def main():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import gdp_jax
-    from gdp_jax.sharding import sharded_chunk_gdp_fwd_o
+    from gdp_jax.sharding import sharded_chunk_gated_delta_product, sharded_chunk_gdp_fwd_o
 
     n = args.devices
     devices = jax.devices()
@@ -82,12 +93,14 @@ def main():
     dtype = getattr(jnp, args.dtype)
     bt = args.chunk_size
     mesh = Mesh(np.array(devices[:n]), ("x",))
-    info = dict(jax=jax.__version__, backend=jax.default_backend(), devices=[str(d) for d in devices[:n]],
+    info = dict(op=args.op, jax=jax.__version__, backend=jax.default_backend(), devices=[str(d) for d in devices[:n]],
                 device_kind=devices[0].device_kind, impl=impl, dtype=args.dtype, chunk_size=bt,
                 iters=args.iters, reps=args.reps)
     print(json.dumps(info), flush=True)
 
     def make_inputs(shape, device):
+        """chunk_o: [q, k, v, h, g] (g chunk-local log2 cumsums); full: [q, k, v, g, beta]
+        (g the natural-log gate per token)."""
         b, t, hh, kd, vd, m = (shape[c] for c in "BTHKVM")
         nt = -(-t // bt)
         key = jax.random.split(jax.random.PRNGKey(0), 5)
@@ -95,6 +108,11 @@ def main():
             q = jax.random.normal(key[0], (b, t, hh, kd), dtype)
             k = jax.random.normal(key[1], (b, t * m, hh, kd), jnp.float32)
             k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype)
+            if args.op == "full":
+                v = jax.random.normal(key[2], (b, t * m, hh, vd)).astype(dtype)
+                g = -jax.nn.softplus(jax.random.normal(key[3], (b, t, hh))) * 0.1
+                beta = jax.random.uniform(key[4], (b, t * m, hh), jnp.float32, 0.05, 1.95)
+                return [q, k, v, g, beta]
             v = (0.1 * jax.random.normal(key[2], (b, t * m, hh, vd))).astype(dtype)
             h = (0.1 * jax.random.normal(key[3], (b, nt, hh, kd, vd))).astype(dtype)
             gate = -jax.nn.softplus(jax.random.normal(key[4], (b, nt * bt, hh))) / math.log(2.0) * 0.1
@@ -103,7 +121,20 @@ def main():
 
     def specs(layout):
         b, hd = ("x", None) if layout == "data" else (None, "x")
+        if args.op == "full":   # q, k, v, g, beta
+            return [P(b, None, hd, None)] * 3 + [P(b, None, hd), P(b, None, hd)], b, hd
         return [P(b, None, hd, None)] * 3 + [P(b, None, hd, None, None), P(b, None, hd)], b, hd
+
+    def ops(b_axis, h_axis):
+        """(sharded, plain): the wrapper and the unwrapped op, each taking make_inputs' list and
+        returning o."""
+        if args.op == "full":
+            return (lambda *a: sharded_chunk_gated_delta_product(
+                        *a, mesh=mesh, batch_axis=b_axis, head_axis=h_axis, **op_kw)[0],
+                    lambda *a: gdp_jax.chunk_gated_delta_product(*a, **op_kw)[0])
+        return (lambda *a: sharded_chunk_gdp_fwd_o(*a, mesh=mesh, batch_axis=b_axis,
+                                                   head_axis=h_axis, **op_kw),
+                lambda *a: gdp_jax.chunk_gdp_fwd_o(*a, **op_kw))
 
     def timed(fn, inputs):
         out = fn(*inputs)
@@ -140,9 +171,8 @@ def main():
                     full = make_inputs(shape, devices[0])
                     sharded_in = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(full, in_specs)]
                     local_in = make_inputs(local_shape, devices[0])
-                    sharded = lambda *a: sharded_chunk_gdp_fwd_o(*a, mesh=mesh, batch_axis=b_axis,
-                                                                 head_axis=h_axis, **op_kw)
-                    plain = lambda *a: gdp_jax.chunk_gdp_fwd_o(*a, **op_kw)
+                    sharded_o, plain_o = ops(b_axis, h_axis)
+                    sharded, plain = sharded_o, plain_o
                     if mode == "fwd+bwd":
                         sharded = jax.grad(loss(sharded), argnums=(0, 1, 2, 3, 4))
                         plain = jax.grad(loss(plain), argnums=(0, 1, 2, 3, 4))
@@ -159,11 +189,8 @@ def main():
                                                            for line in collectives(plain, sharded_in))
                     except Exception as e:  # noqa: BLE001
                         row["unwrapped_error"] = f"{type(e).__name__}: {e}"[:300]
-                    ref = np.asarray(jax.jit(lambda *a: gdp_jax.chunk_gdp_fwd_o(*a, **op_kw))(*full),
-                                     np.float32)
-                    got = np.asarray(jax.jit(lambda *a: sharded_chunk_gdp_fwd_o(
-                        *a, mesh=mesh, batch_axis=b_axis, head_axis=h_axis, **op_kw))(*sharded_in),
-                        np.float32)
+                    ref = np.asarray(jax.jit(plain_o)(*full), np.float32)
+                    got = np.asarray(jax.jit(sharded_o)(*sharded_in), np.float32)
                     row["rel_err_vs_1gpu"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
                     del full, sharded_in, local_in
                 except Exception as e:  # noqa: BLE001

@@ -4,8 +4,8 @@ from gdp_jax.chunk import chunk_gated_delta_product
 from gdp_jax.chunk_o import chunk_gdp_fwd_o
 from gdp_jax.decode import recurrent_gdp_step
 from gdp_jax.segments import segment_runs
-from gdp_jax.sharding import sharded_chunk_gdp_fwd_o
+from gdp_jax.sharding import sharded_chunk_gated_delta_product, sharded_chunk_gdp_fwd_o
 
 __all__ = ["chunk_gated_delta_product", "chunk_gdp_fwd_o", "recurrent_gdp_step", "reference",
-           "segment_runs", "sharded_chunk_gdp_fwd_o"]
+           "segment_runs", "sharded_chunk_gated_delta_product", "sharded_chunk_gdp_fwd_o"]
 __version__ = "0.1.0"

@@ -1,13 +1,15 @@
-"""gdp_jax.sharding: chunk_gdp_fwd_o over a mesh equals the unsharded op, values and gradients, and
-compiles to a program with no all-gather (issue 7).
+"""gdp_jax.sharding: chunk_gdp_fwd_o and the full op chunk_gated_delta_product over a mesh equal the
+unsharded ops, values and gradients, and compile to programs with no all-gather (issue 7).
 
 The multi-device checks need 4 CPU devices, i.e. XLA_FLAGS=--xla_force_host_platform_device_count=4
-before jax initialises. The suite shares one process, so they run in a subprocess (this file run as
-a script: ``python tests/test_sharding.py``), which asserts and exits non-zero on failure. The
-checks that need one device only (argument errors, a 1x1 mesh) run in-process.
+before jax initialises. The suite shares one process, so they run in subprocesses (this file run as
+a script: ``python tests/test_sharding.py`` for chunk_gdp_fwd_o, ``python tests/test_sharding.py
+full`` for the full op), which assert and exit non-zero on failure. The checks that need one device
+only (argument errors, a 1x1 mesh) run in-process.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -26,7 +28,7 @@ if __name__ == "__main__":  # the subprocess: make gdp_jax and helpers importabl
     sys.path[:0] = [ROOT, HERE]
 
 import gdp_jax  # noqa: E402
-from gdp_jax.sharding import sharded_chunk_gdp_fwd_o  # noqa: E402
+from gdp_jax.sharding import sharded_chunk_gated_delta_product, sharded_chunk_gdp_fwd_o  # noqa: E402
 from helpers import make_problem  # noqa: E402
 
 NAMES = ("q", "k", "v", "h", "g")
@@ -158,19 +160,161 @@ def worker() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The full op: sharded_chunk_gated_delta_product
+
+FULL_NAMES = ("q", "k", "v", "g", "beta", "initial_state")     # the differentiable operands
+
+
+def _full_problem(batch=4, tokens=37, heads=2, key_dim=16, value_dim=16, m=2, chunk_size=16,
+                  seed=11):
+    """Random inputs of the full op (no reference needed: the check is sharded == unsharded).
+    T = 37 is ragged against chunk_size 16; the segments include one starting on a chunk boundary."""
+    from helpers import random_segment_ids
+    rng = np.random.default_rng(seed)
+    k = rng.normal(size=(batch, tokens * m, heads, key_dim))
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return dict(
+        q=f32(rng.normal(size=(batch, tokens, heads, key_dim))),
+        k=f32(k / np.linalg.norm(k, axis=-1, keepdims=True)),
+        v=f32(rng.normal(size=(batch, tokens * m, heads, value_dim))),
+        g=f32(-rng.uniform(0.0, 0.25, size=(batch, tokens, heads))),
+        beta=f32(rng.uniform(0.05, 1.95, size=(batch, tokens * m, heads))),
+        initial_state=f32(0.5 * rng.normal(size=(batch, heads, key_dim, value_dim))),
+        segment_ids=jnp.asarray(random_segment_ids(rng, batch, tokens, chunk_size)),
+        chunk_size=chunk_size)
+
+
+def _full_specs(b, hd):
+    return dict(q=P(b, None, hd, None), k=P(b, None, hd, None), v=P(b, None, hd, None),
+                g=P(b, None, hd), beta=P(b, None, hd), initial_state=P(b, hd, None, None),
+                segment_ids=P(b, None))
+
+
+def _full_loss(fn):
+    def loss(*a):
+        o, state = fn(*a)
+        return jnp.sum(jnp.square(o)) + jnp.sum(jnp.square(state))
+    return loss
+
+
+def _full_reference(p, implementation, grad):
+    """The unsharded op's (o, final_state) and gradients, computed once per problem and config."""
+    key = (implementation, grad)
+    cache = p.setdefault("_ref", {})
+    if key not in cache:
+        kw = dict(chunk_size=p["chunk_size"], implementation=implementation, output_final_state=True)
+        plain = lambda *a: gdp_jax.chunk_gated_delta_product(*a[:5], segment_ids=a[6],
+                                                             initial_state=a[5], **kw)
+        args = [p[n] for n in FULL_NAMES] + [p["segment_ids"]]
+        grads = None
+        if grad:
+            grads = jax.jit(jax.grad(_full_loss(plain), argnums=tuple(range(6))))(*args)
+        cache[key] = jax.jit(plain)(*args), grads
+    return cache[key]
+
+
+def check_full_mesh(p, mesh, batch_axis, head_axis, implementation, grad=True, tol=1e-5):
+    """Sharded full op == unsharded (o, final_state, and gradients in q, k, v, g, beta and
+    initial_state); no collective in the compiled forward or backward program."""
+    kw = dict(chunk_size=p["chunk_size"], implementation=implementation, output_final_state=True)
+    specs = _full_specs(batch_axis, head_axis)
+    put = lambda name: jax.device_put(p[name], NamedSharding(mesh, specs[name]))
+    args = [put(n) for n in FULL_NAMES] + [put("segment_ids")]
+    (o_ref, state_ref), grads_ref = _full_reference(p, implementation, grad)
+
+    def sharded(q, k, v, g, beta, state, seg):
+        return sharded_chunk_gated_delta_product(
+            q, k, v, g, beta, segment_ids=seg, initial_state=state, mesh=mesh,
+            batch_axis=batch_axis, head_axis=head_axis, **kw)
+
+    # One compilation serves both the values and the HLO scan.
+    fwd = jax.jit(sharded).lower(*args).compile()
+    lines = _collective_lines(fwd.as_text())
+    assert not lines, f"forward program has collectives: {lines}"
+    o, state = fwd(*args)
+    for name, x, x_ref, spec in [("o", o, o_ref, P(batch_axis, None, head_axis, None)),
+                                 ("final_state", state, state_ref, specs["initial_state"])]:
+        assert x.shape == x_ref.shape and x.dtype == x_ref.dtype, name
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (name, x.sharding)
+        err = _rel(x, x_ref)
+        assert err < tol, f"{name} differs from unsharded by {err}"
+    if not grad:
+        return
+    grad_fn = jax.jit(jax.grad(_full_loss(sharded), argnums=tuple(range(6)))).lower(*args).compile()
+    lines = _collective_lines(grad_fn.as_text())
+    assert not lines, f"backward program has collectives: {lines}"
+    for name, d, d_ref, x in zip(FULL_NAMES, grad_fn(*args), grads_ref, args):
+        assert d.shape == d_ref.shape and d.dtype == d_ref.dtype, name
+        assert d.sharding.is_equivalent_to(x.sharding, x.ndim), (name, d.sharding, x.sharding)
+        err = _rel(d, d_ref)
+        assert err < tol, f"d{name} differs from unsharded by {err}"
+
+
+def worker_full() -> None:
+    """The full op in the 4-device subprocess; raises (non-zero exit) on any failure."""
+    assert jax.device_count() == 4, jax.devices()
+    start = time.perf_counter()
+    p = _full_problem()
+    devices = np.array(jax.devices())
+    data = Mesh(devices, ("data",))
+    grid = Mesh(devices.reshape(2, 2), ("data", "model"))
+    for mesh, b, hd, impl, grad in [(data, "data", None, "xla", True),
+                                    (grid, "data", "model", "xla", True)]:
+        t0 = time.perf_counter()
+        check_full_mesh(p, mesh, b, hd, impl, grad=grad)
+        print(f"ok full op mesh={dict(mesh.shape)} batch_axis={b!r} head_axis={hd!r} {impl} "
+              f"grad={grad} {time.perf_counter() - t0:.1f}s", flush=True)
+    # The Pallas kernels (WY, state walk, output) in the interpreter, on a smaller problem.
+    t0 = time.perf_counter()
+    check_full_mesh(_full_problem(tokens=20, key_dim=8, value_dim=8), grid, "data", "model",
+                    "interpret", grad=False)
+    print(f"ok full op mesh={dict(grid.shape)} data/model interpret grad=False "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)
+
+    # No g, segments or initial state, no final state, l2norm, the context mesh: (o, None).
+    args = [p[n] for n in ("q", "k", "v")]
+    kw = dict(chunk_size=16, implementation="xla", use_qk_l2norm=True)
+    o_ref, none = jax.jit(lambda *a: gdp_jax.chunk_gated_delta_product(*a, **kw))(
+        *args, None, p["beta"])
+    assert none is None
+    with jax.set_mesh(grid):
+        o, none = jax.jit(lambda *a: sharded_chunk_gated_delta_product(
+            *a, batch_axis="data", head_axis="model", **kw))(*args, None, p["beta"])
+    assert none is None and _rel(o, o_ref) < 1e-5
+    # Divisibility, checked on the global shapes.
+    with pytest.raises(ValueError, match="B = 3 must be a multiple"):
+        sharded_chunk_gated_delta_product(*[x[:3] for x in args], None, p["beta"][:3], mesh=data,
+                                          chunk_size=16)
+    with pytest.raises(ValueError, match="H = 2 must be a multiple"):
+        sharded_chunk_gated_delta_product(*args, None, p["beta"], mesh=data, batch_axis=None,
+                                          head_axis="data", chunk_size=16)
+    print(f"all full-op sharding checks passed in {time.perf_counter() - start:.1f}s", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # pytest side
 
-def test_sharded_equals_unsharded_on_4_cpu_devices():
+def _run_worker(*argv) -> str:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + [x for x in [env.get("PYTHONPATH")] if x])
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
+    result = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     if result.returncode:
-        pytest.fail(f"4-device sharding checks failed (exit {result.returncode}):\n"
+        pytest.fail(f"4-device sharding checks {argv} failed (exit {result.returncode}):\n"
                     f"{result.stdout}\n{result.stderr[-6000:]}")
-    assert "all sharding checks passed" in result.stdout, result.stdout
+    return result.stdout
+
+
+def test_sharded_equals_unsharded_on_4_cpu_devices():
+    out = _run_worker()
+    assert "all sharding checks passed" in out, out
+
+
+def test_sharded_full_op_equals_unsharded_on_4_cpu_devices():
+    out = _run_worker("full")
+    assert "all full-op sharding checks passed" in out, out
 
 
 def _one_device_mesh():
@@ -204,6 +348,43 @@ def test_argument_errors():
         sharded_chunk_gdp_fwd_o(*args, chunk_size=16)
 
 
+def test_full_op_argument_errors():
+    p = _full_problem(batch=2, tokens=20)
+    args = [p[n] for n in ("q", "k", "v", "g", "beta")]
+    mesh = _one_device_mesh()
+    call = functools.partial(sharded_chunk_gated_delta_product, mesh=mesh, chunk_size=16)
+    with pytest.raises(ValueError, match="does not shard the token axis T"):
+        call(*args, token_axis="model")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['chunk_sizes'\] for "
+                                        "chunk_gated_delta_product"):
+        call(*args, chunk_sizes=16)
+    with pytest.raises(TypeError, match="unexpected keyword"):   # chunk_gdp_fwd_o's h is not ours
+        call(*args, h=p["initial_state"])
+    with pytest.raises(ValueError, match="named in both"):
+        call(*args, batch_axis=("data", "model"), head_axis="model")
+    # The op's own checks run on the global shapes: the message names the caller's B = 2.
+    with pytest.raises(ValueError, match=r"initial_state must have shape .* = \(2, 2, 16, 16\)"):
+        call(*args, initial_state=p["initial_state"][:, :1])
+    with pytest.raises(TypeError, match="output_final_state must be a Python bool"):
+        call(*args, output_final_state=1)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        call(*args, implementation="triton")
+    with pytest.raises(ValueError, match="no mesh"):
+        sharded_chunk_gated_delta_product(*args, chunk_size=16)
+
+
+def test_full_op_one_device_mesh_matches_op():
+    p = _full_problem(batch=2, tokens=20)
+    args = [p[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(segment_ids=p["segment_ids"], initial_state=p["initial_state"],
+              output_final_state=True, chunk_size=16, implementation="xla")
+    op = jax.jit(lambda *a: gdp_jax.chunk_gated_delta_product(*a, **kw))
+    sharded = jax.jit(lambda *a: sharded_chunk_gated_delta_product(
+        *a, mesh=_one_device_mesh(), head_axis="model", **kw))
+    for x, x_ref in zip(sharded(*args), op(*args)):
+        np.testing.assert_allclose(x, x_ref, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.gpu
 def test_two_gpus_pallas():
     """On 2 GPUs: the Pallas kernel, B and then H sharded, equals one GPU; no collective."""
@@ -220,5 +401,22 @@ def test_two_gpus_pallas():
         check_mesh(p, mesh, b, hd, "pallas", grad=True, tol=2e-3)
 
 
+@pytest.mark.gpu
+def test_two_gpus_pallas_full_op():
+    """On 2 GPUs: the full op (Pallas WY, state walk and output kernels), B and then H sharded,
+    equals one GPU, o, final state and gradients; no collective forward or backward."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    p = _full_problem(batch=4, tokens=1000, heads=4, key_dim=128, value_dim=128, m=2,
+                      chunk_size=64, seed=3)
+    devices = np.array(jax.devices()[:2])
+    data = Mesh(devices, ("data",))
+    grid = Mesh(devices.reshape(2, 1), ("data", "model"))
+    model = Mesh(devices.reshape(1, 2), ("data", "model"))
+    for mesh, b, hd in [(data, "data", None), (grid, "data", "model"), (model, "data", "model"),
+                        (model, "data", None)]:  # the last: replicated over "model" (an auto axis)
+        check_full_mesh(p, mesh, b, hd, "pallas", grad=True, tol=2e-3)
+
+
 if __name__ == "__main__":
-    worker()
+    worker_full() if sys.argv[1:] == ["full"] else worker()

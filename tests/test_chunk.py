@@ -363,7 +363,9 @@ def test_gradients_against_recurrence(use_qk_l2norm, implementation):
 # ----------------------------------------------------------------------------------------------
 # Transformations.
 
-def test_jit_vmap_over_differently_packed_rows():
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
+def test_jit_vmap_over_differently_packed_rows(implementation):
+    # "interpret": vmap of the Pallas kernels (an extra grid axis) and of the stages' custom_vjp.
     p = _case_problem(FORWARD_CASES[0])
     names = ("q", "k", "v", "g", "beta", "initial_state", "segment_ids")
 
@@ -372,7 +374,7 @@ def test_jit_vmap_over_differently_packed_rows():
         o, s = gdp_jax.chunk_gated_delta_product(
             add(q), add(k), add(v), add(g), add(beta), initial_state=add(initial_state),
             segment_ids=add(segment_ids), output_final_state=True, chunk_size=16,
-            implementation="xla")
+            implementation=implementation)
         return o[0], s[0]
 
     o, final_state = jax.jit(jax.vmap(one_row))(*[p[n] for n in names])

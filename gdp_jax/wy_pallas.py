@@ -21,9 +21,12 @@ Inverse. (I + A)^{-1} is lower block-triangular over 16-row blocks. Each diagona
 forward substitution (row i of T = e_i - sum_{c<i} A[i, c] T[c, :], 15 steps on a 16 x 16 tile, exact
 in float32), and the blocks below the diagonal follow from T_il = -T_ii sum_{l<=j<i} A_ij T_jl. The
 inverse is never formed at more than 16 x 16 granularity: w and u are accumulated block row by block
-row as sum_l T_il rhs_l. Dots that build or apply the inverse run in float32 ("highest" precision:
-IEEE on the GPU) because errors in T multiply every later value; the gram blocks k_i k_l^T run in the
-inputs' dtype with float32 accumulation (exact products for bf16 and fp16, as the other kernels do).
+row as sum_l T_il rhs_l. Dots that build the inverse run in float32 ("highest" precision: IEEE on
+the GPU) because errors in T multiply every later value; the gram blocks k_i k_l^T run in the inputs'
+dtype with float32 accumulation (exact products for bf16 and fp16, as the other kernels do). Applying
+T runs in float32 for float32 inputs; for 16-bit inputs (``half_apply``, the default) T and the
+right-hand sides are rounded to 16 bits for tensor-core dots with float32 accumulation, as fla does:
+w and u are stored in 16 bits anyway, and it is 2.5x faster on an H200.
 
 Grid (H, sub-chunks, B), heads fastest; no program reads another's output.
 """

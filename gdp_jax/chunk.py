@@ -1,8 +1,9 @@
 """chunk_gated_delta_product: the full Gated DeltaProduct op, its stages composed in one place.
 
     g_raw --(1) cumsum.chunk_local_log2_cumsum--> g (chunk-local log2 decays)
-    k, v, beta, g --(2) wy.wy_xla--> w, u            (WY representation of each chunk)
-    k, w, u, g, initial_state --(3) chunk_h.chunk_h--> h, v_new, final_state
+    k, v, beta, g --(2) wy.wy_xla | wy_pallas.wy_pallas--> w, u      (WY representation)
+    k, w, u, g, initial_state --(3) chunk_h.chunk_h_xla | chunk_h_pallas.chunk_h_pallas--> h, v_new,
+                                                                                     final_state
     q, k, v_new, h, g --(4) chunk_o.chunk_gdp_fwd_o--> o
 
 implementation="xla" runs stages 1-3 in jnp (exact gradients by plain autodiff). "pallas" and

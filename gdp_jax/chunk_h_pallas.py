@@ -87,7 +87,8 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
                    interpret: bool = False, block_v: int | None = None, num_warps: int = 4,
                    num_stages: int = 1, subchunks: int = 1, h_dtype=jnp.float32,
                    v_new_dtype=jnp.float32):
-    """(h [B, NT, H, K, V], v_new [B, T*M, H, V], final_state [B, H, K, V]), all float32.
+    """(h [B, NT, H, K, V] in ``h_dtype``, v_new [B, T*M, H, V] in ``v_new_dtype``, final_state
+    [B, H, K, V] float32); both dtypes default to float32.
 
     Same arguments as ``chunk_h.chunk_h_xla``: k, w [B, T*M, H, K]; u [B, T*M, H, V]; g [B, T, H]
     chunk-local log2 decays or None; runs [B, T] int32 or None; initial_state [B, H, K, V] or None.

@@ -70,7 +70,8 @@ and inf * 0 would leak NaN into real columns of dv and dk).
 Variants (``BwdKernelConfig.variant``; one jitted call each, all exact and under the same masking
 rules; the others live in ``chunk_o_bwd_pallas_split``, whose docstring has the details):
 
-* ``"fused"`` (this kernel, the default until a GPU sweep says otherwise): one program per chunk does
+* ``"fused"`` (this kernel; the default for float32, K or V = 256 and chunk 128, where nothing else
+  has been timed; ``bwd_kernel_config`` picks ``"roles"`` elsewhere): one program per chunk does
   everything. Measured on an H200 (bf16, B8 T4096 H16 K=V=128 M2): 1.44 ms, 4.7x the forward, 33 % of
   its bandwidth floor. Compiled offline for sm_90 it needs 255 registers and spills (one 8-warp
   program per SM), mostly for what the copy loop keeps live: hoisted address tensors, P, dq.
@@ -140,9 +141,9 @@ def bwd_kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_househo
                       itemsize: int = 2) -> BwdKernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V and inputs of ``itemsize`` bytes.
 
-    Not yet measured on a GPU. Sizes come from compiling the kernel's Triton IR offline (pip triton
-    3.9, sm_90): blocks of at most 128 columns (64 values when K = 256; 64 of each for float32 at chunk
-    size 128) keep shared memory within an H200's 227 KiB, e.g. 48 KiB for bf16 K = V = 128 and
+    Block sizes and the fused kernel's launch were not measured on a GPU: they come from compiling
+    the kernel's Triton IR offline (pip triton 3.9, sm_90): blocks of at most 128 columns (64 values
+    when K = 256; 64 of each for float32 at chunk size 128) keep shared memory within an H200's 227 KiB, e.g. 48 KiB for bf16 K = V = 128 and
     160 KiB for float32 K = V = 256 at chunk 64. float32 at chunk 128 with K = 256 still needs
     ~288 KiB (the forward ~256 KiB there). 8 warps at chunk >= 64: at 4 warps the register spills
     roughly quadruple (the forward, lighter, measured 4 faster). The copy loop is not pipelined.

@@ -3,6 +3,7 @@
 P is the number of stream positions per token (1 on the token stream, M on the expanded stream).
 The last partial chunk is padded: with zeros (``mode="constant"``) or by repeating the last real
 token (``mode="edge"``, for decays and segment run numbers, so padding neither decays nor resets).
+``tile_width`` is the Pallas kernels' rule for K and V widths.
 """
 from __future__ import annotations
 
@@ -31,3 +32,9 @@ def from_chunks(x: jax.Array, positions: int) -> jax.Array:
 def expand(x: jax.Array, per_token: int, axis: int) -> jax.Array:
     """Repeats each token's entry ``per_token`` times along ``axis`` (token -> expanded stream)."""
     return jnp.repeat(x, per_token, axis=axis) if per_token > 1 else x
+
+
+def tile_width(n: int) -> int:
+    """The width the Pallas kernels give a K or V axis of size n: the next power of two, at least
+    16 (Triton's dot tile rule); the padding is zeros, which change no dot product."""
+    return max(16, 1 << (n - 1).bit_length())

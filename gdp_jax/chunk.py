@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _validation as val
+from gdp_jax._chunking import tile_width
 from gdp_jax.chunk_h import chunk_h_xla
 from gdp_jax.chunk_h_pallas import chunk_h_pallas
 from gdp_jax.chunk_o import chunk_gdp_fwd_o
@@ -136,7 +137,7 @@ def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_h
     num_chunks = -(-tokens // chunk_size)
     padded_positions = num_chunks * chunk_size * m
     sub = sub_chunk_size(chunk_size)
-    kp, vp = (max(16, 1 << (n - 1).bit_length()) for n in (key_dim, value_dim))
+    kp, vp = tile_width(key_dim), tile_width(value_dim)
     pad_rows = lambda x, width: jnp.pad(x, ((0, 0), (0, padded_positions - positions), (0, 0),
                                             (0, width - x.shape[-1])))
     k_p, v_p = pad_rows(k, kp), pad_rows(v, vp)

@@ -78,16 +78,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gdp_jax._chunking import tile_width
+from gdp_jax.chunk_h_pallas import decay_and_run_operands, stream_layout
+
 # Flip once the backward tests in tests/test_chunk_gpu.py pass on a GPU: then chunk_h's custom_vjp
 # runs this kernel for implementation="pallas" (it always does for "interpret").
 USE_ON_GPU = False
 
 _LN2 = math.log(2.0)
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _tile_width(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
 
 
 def default_blocks(key_dim: int, value_dim: int, chunk_size: int) -> tuple[int, int, int]:
@@ -104,7 +103,7 @@ def default_blocks(key_dim: int, value_dim: int, chunk_size: int) -> tuple[int, 
     Shared memory stays under 82 KiB in all of these. The walk is latency bound (one dependent
     chain of dots per chunk), so narrower value blocks, i.e. more programs, are preferred.
     """
-    kp, vp = _tile_width(key_dim), _tile_width(value_dim)
+    kp, vp = tile_width(key_dim), tile_width(value_dim)
     block_v = min(vp, 32 if kp <= 128 else 16)
     return min(kp, 64), block_v, 8 if chunk_size >= 128 else 4
 
@@ -183,7 +182,7 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     num_chunks = -(-tokens // chunk_size)
     pad_t = num_chunks * chunk_size - tokens
     t_pad = tokens + pad_t
-    kp, vp = _tile_width(key_dim), _tile_width(value_dim)
+    kp, vp = tile_width(key_dim), tile_width(value_dim)
     bk, bv, warps = default_blocks(key_dim, value_dim, chunk_size)
     block_k, block_v, num_warps = block_k or bk, block_v or bv, num_warps or warps
     for name, block, width in (("block_k", block_k, kp), ("block_v", block_v, vp)):
@@ -191,17 +190,12 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
             raise ValueError(f"{name} must be a power of two >= 16 dividing {width}; got {block}")
     f32 = jnp.float32
 
-    def stream(x, width, padded_width):         # [B, T*M, H, X] -> [B, T_pad, M, H, X_pad]
-        # Kept in the caller's dtype (the kernel upcasts what it loads).
-        x = jnp.pad(x, ((0, 0), (0, pad_t * m), (0, 0), (0, padded_width - width)))
-        return x.reshape(batch, t_pad, m, heads, padded_width)
-
     def state(x):                               # [..., K, V] -> [..., Kp, Vp]
         pads = [(0, 0)] * (x.ndim - 2) + [(0, kp - key_dim), (0, vp - value_dim)]
         return jnp.pad(x.astype(f32), pads)
 
-    operands = [stream(k, key_dim, kp), stream(w, key_dim, kp), stream(dv_new, value_dim, vp),
-                state(dh), state(dfinal)]
+    operands = [stream_layout(x, width, pad_t, m) for x, width in ((k, kp), (w, kp), (dv_new, vp))]
+    operands += [state(dh), state(dfinal)]
     key_stream = pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0))
     value_stream = pl.BlockSpec((None, t_pad, m, None, block_v),
                                 lambda vb, hd, b: (b, 0, 0, hd, vb))
@@ -209,12 +203,9 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
                           lambda vb, hd, b: (b, 0, hd, 0, vb))
     one_state = pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb))
     in_specs = [key_stream, key_stream, value_stream, states, one_state]
-    if g is not None:
-        operands.append(jnp.pad(g.astype(f32), ((0, 0), (0, pad_t), (0, 0)), mode="edge"))
-        in_specs.append(pl.BlockSpec((None, t_pad, None), lambda vb, hd, b: (b, 0, hd)))
-    if runs is not None:
-        operands.append(jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, pad_t)), mode="edge"))
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda vb, hd, b: (b, 0)))
+    row_operands, row_specs = decay_and_run_operands(g, runs, pad_t)
+    operands += row_operands
+    in_specs += row_specs
 
     out_shape = [jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), f32),
                  jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), f32)]

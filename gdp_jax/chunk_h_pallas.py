@@ -23,8 +23,31 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-def _tile_width(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
+from gdp_jax._chunking import tile_width
+
+def stream_layout(x, padded_width: int, pad_tokens: int, num_householder: int):
+    """[B, T*M, H, X] -> [B, T + pad_tokens, M, H, padded_width]: zero rows past T and zero columns
+    past X, in x's dtype (the walk kernels upcast what they load, so no extra pass over HBM)."""
+    batch, positions, heads, width = x.shape
+    m = num_householder
+    x = jnp.pad(x, ((0, 0), (0, pad_tokens * m), (0, 0), (0, padded_width - width)))
+    return x.reshape(batch, positions // m + pad_tokens, m, heads, padded_width)
+
+
+def decay_and_run_operands(g, runs, pad_tokens: int):
+    """(operands, in_specs) for the walk kernels' optional g [B, T, H] and runs [B, T]: edge-padded
+    by ``pad_tokens`` (padding neither decays nor starts a segment), float32 / int32, one whole row
+    per program of a (value block, head, batch) grid."""
+    operands, specs = [], []
+    if g is not None:
+        g = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, pad_tokens), (0, 0)), mode="edge")
+        operands.append(g)
+        specs.append(pl.BlockSpec((None, g.shape[1], None), lambda vb, hd, b: (b, 0, hd)))
+    if runs is not None:
+        runs = jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, pad_tokens)), mode="edge")
+        operands.append(runs)
+        specs.append(pl.BlockSpec((None, runs.shape[1]), lambda vb, hd, b: (b, 0)))
+    return operands, specs
 
 
 def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: int, has_g: bool,
@@ -108,28 +131,20 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     tokens = positions // m
     num_chunks = -(-tokens // (chunk_size * subchunks)) * subchunks
     pad_t = num_chunks * chunk_size - tokens
-    kp, vp = _tile_width(key_dim), _tile_width(value_dim)
+    kp, vp = tile_width(key_dim), tile_width(value_dim)
     f32 = jnp.float32
-
-    def stream(x, width, padded_width):         # [B, T*M, H, X] -> [B, T_pad, M, H, X_pad]
-        # Kept in the caller's dtype (the kernel upcasts on load): no extra pass over HBM.
-        x = jnp.pad(x, ((0, 0), (0, pad_t * m), (0, 0), (0, padded_width - width)))
-        return x.reshape(batch, tokens + pad_t, m, heads, padded_width)
 
     # Measured on an H200 (tune_states.py, sub-chunk walk, B=8 T=4096 H=16 K=V=128 M=2 bf16):
     # block_v 64 with 4 warps 0.78 ms; block_v 32: 1.03 (2 warps) / 1.23 (4); block_v 16: >= 1.6.
     block_v = block_v or min(vp, 64)
-    operands = [stream(k, key_dim, kp), stream(w, key_dim, kp), stream(u, value_dim, vp)]
+    operands = [stream_layout(x, width, pad_t, m) for x, width in ((k, kp), (w, kp), (u, vp))]
     t_pad = tokens + pad_t
     in_specs = [pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0)),
                 pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0)),
                 pl.BlockSpec((None, t_pad, m, None, block_v), lambda vb, hd, b: (b, 0, 0, hd, vb))]
-    if g is not None:
-        operands.append(jnp.pad(g.astype(f32), ((0, 0), (0, pad_t), (0, 0)), mode="edge"))
-        in_specs.append(pl.BlockSpec((None, t_pad, None), lambda vb, hd, b: (b, 0, hd)))
-    if runs is not None:
-        operands.append(jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, pad_t)), mode="edge"))
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda vb, hd, b: (b, 0)))
+    row_operands, row_specs = decay_and_run_operands(g, runs, pad_t)
+    operands += row_operands
+    in_specs += row_specs
     if initial_state is not None:
         operands.append(jnp.pad(initial_state.astype(f32),
                                 ((0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim))))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _validation as val
+from gdp_jax._chunking import tile_width
 from gdp_jax.chunk_o_bwd_pallas import chunk_o_bwd_pallas
 from gdp_jax.chunk_o_pallas import chunk_o_pallas
 from gdp_jax.segments import segment_runs
@@ -110,7 +111,7 @@ def _pad_to_tiles(q, k, v, h, *value_width_arrays):
     cuts a result with padded K, V or [K, V] trailing axes back to the caller's widths.
     """
     key_dim, value_dim = q.shape[-1], v.shape[-1]
-    key_pad, value_pad = _tile_width(key_dim) - key_dim, _tile_width(value_dim) - value_dim
+    key_pad, value_pad = tile_width(key_dim) - key_dim, tile_width(value_dim) - value_dim
     pad_last = lambda x, n: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n)]) if n else x
     padded = (pad_last(q, key_pad), pad_last(k, key_pad), pad_last(v, value_pad),
               jnp.pad(h, [(0, 0)] * 3 + [(0, key_pad), (0, value_pad)]) if key_pad or value_pad else h,
@@ -124,10 +125,6 @@ def _pad_to_tiles(q, k, v, h, *value_width_arrays):
         return state[..., :key_dim, :value_dim]
 
     return padded, unpad
-
-
-def _tile_width(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
 
 
 def chunk_o_xla(q, k, v, h, g, runs, *, scale: float, chunk_size: int,

@@ -30,12 +30,11 @@ import gc
 import json
 import os
 import platform
-import sys
 import time
 import traceback
 
 from bench_common import (fmt as _fmt, log, parse_shapes as _parse_shapes, relative_error_fn,
-                          shape_label, short_exc, time_jax, time_torch)
+                          shape_label, short_exc, time_jax, time_torch, print_table)
 
 SHAPE_SETS = {
     "default": [
@@ -282,7 +281,7 @@ def main(argv=None):
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1, default=str)
         log(f"\nwrote {args.out}")
-    print_table(rows, meta)
+    print_results(rows, meta)
     return result
 
 
@@ -290,7 +289,7 @@ COLUMNS = ["ours_fwd", "fla_fwd", "ours_fwdbwd", "ours_fwdbwd_ng", "fla_fwdbwd_n
            "xla_fwd", "stage_states", "stage_o"]
 
 
-def print_table(rows, meta):
+def print_results(rows, meta):
     hdr = ["shape"] + COLUMNS + ["fla/ours fwd", "ours/fla fb ng", "err vs fla"]
     lines = []
     for r in rows:
@@ -298,15 +297,8 @@ def print_table(rows, meta):
         lines.append([r["shape"]] + [cell(c) for c in COLUMNS]
                      + [_fmt(r.get("fla_over_ours_fwd"), ".2f"), _fmt(r.get("ours_over_fla_fwdbwd_ng"), ".2f"),
                         _fmt(r.get("relerr_o_vs_fla"), ".1e")])
-    widths = [max([len(h)] + [len(l[i]) for l in lines]) for i, h in enumerate(hdr)]
-    print()
-    print(f"device {meta['device']} | jax {meta['jax']} | ms per call; fb = forward + backward; "
-          "ng = ungated (g None)")
-    print(" | ".join(h.ljust(w) for h, w in zip(hdr, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for l in lines:
-        print(" | ".join(c.ljust(w) for c, w in zip(l, widths)))
-    sys.stdout.flush()
+    print_table(hdr, lines, f"device {meta['device']} | jax {meta['jax']} | ms per call; "
+                            "fb = forward + backward; ng = ungated (g None)")
 
 
 if __name__ == "__main__":

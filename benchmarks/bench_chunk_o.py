@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import platform
-import sys
 import time
 import traceback
 
@@ -39,7 +38,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from bench_common import (LOG2E, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
                           relative_error_fn,
-                          short_exc, shape_label, time_jax, time_torch)
+                          short_exc, shape_label, time_jax, time_torch, print_table)
 from gdp_jax.reference import chunk_local_log2_cumsum as chunk_cumsum_log2
 
 FLA_DEVICE = "cuda"  # where fla's extra tensors (cu_seqlens) go
@@ -395,11 +394,11 @@ def main(argv=None):
         png = os.path.splitext(args.out)[0] + ".png"
     if png and png.lower() != "none":
         draw_png(rows, meta, bw, png)
-    print_table(rows, meta, bw)
+    print_results(rows, meta, bw)
     return result
 
 
-def print_table(rows, meta, bw):
+def print_results(rows, meta, bw):
     hdr = ["shape", "dtype", "pallas ms", "% floor", "xla ms", "fla ms", "fla/ours", "floor ms",
            "relerr p/x", "relerr fla"]
     lines = []
@@ -417,16 +416,11 @@ def print_table(rows, meta, bw):
             _fmt(r.get("pallas_relerr_vs_xla"), ".2e"),
             _fmt(fla_rel, ".2e") if not r.get("segs") else ("n/a" if "fla_ms" in r else "-"),
         ])
-    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(hdr)]
-    print()
-    print(f"device {meta['device']} | jax {meta['jax']} | copy bandwidth {bw.get('GBps', float('nan')):.0f} GB/s "
-          f"(jax {bw.get('jax_GBps', float('nan')):.0f}, torch {bw.get('torch_GBps', float('nan')):.0f}) | "
-          f"% floor = floor/ours; fla/ours > 1 means ours is faster; packed fla: own chunk grid, timing only")
-    print(" | ".join(h.ljust(w) for h, w in zip(hdr, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for l in lines:
-        print(" | ".join(c.ljust(w) for c, w in zip(l, widths)))
-    sys.stdout.flush()
+    print_table(hdr, lines,
+                f"device {meta['device']} | jax {meta['jax']} | copy bandwidth "
+                f"{bw.get('GBps', float('nan')):.0f} GB/s (jax {bw.get('jax_GBps', float('nan')):.0f}, "
+                f"torch {bw.get('torch_GBps', float('nan')):.0f}) | % floor = floor/ours; fla/ours > 1 "
+                "means ours is faster; packed fla: own chunk grid, timing only")
 
 
 def draw_png(rows, meta, bw, path):

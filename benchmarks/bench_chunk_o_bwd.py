@@ -36,13 +36,12 @@ import gc
 import json
 import os
 import platform
-import sys
 import time
 import traceback
 
 from bench_common import (LOG2E, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
                           relative_error_fn,
-                          short_exc, shape_label, time_jax)
+                          short_exc, shape_label, time_jax, print_table)
 
 SHAPE_SETS = {
     "default": [
@@ -98,6 +97,27 @@ def _config_value(text):
         return text
 
 
+def backward_bytes(q, k, v, h, g, runs, do):
+    """Bytes the backward must move: its inputs read once, dq, dk, dv, dh (primal dtypes) and dg
+    (float32) written once."""
+    return nbytes(q, k, v, h, g, runs, do) + nbytes(q, k, v, h) + (0 if g is None else g.size * 4)
+
+
+def xla_vjp_fn(**kw):
+    """(q, k, v, h, g, runs, do) -> (dq, dk, dv, dh, dg or None): the VJP of the jnp path, chunk_o_xla
+    with keyword arguments ``kw`` (what implementation="xla" differentiates)."""
+    import jax
+    from gdp_jax.chunk_o import chunk_o_xla
+
+    def xla_vjp(q, k, v, h, g, runs, do):
+        if g is None:
+            _, vjp = jax.vjp(lambda q, k, v, h: chunk_o_xla(q, k, v, h, None, runs, **kw), q, k, v, h)
+            return tuple(vjp(do)) + (None,)
+        _, vjp = jax.vjp(lambda *a: chunk_o_xla(*a, runs, **kw), q, k, v, h, g)
+        return vjp(do)
+    return xla_vjp
+
+
 def make_set(key, shp, dtype, bt, gated, segs, rng):
     import jax
     import jax.numpy as jnp
@@ -140,7 +160,6 @@ def main(argv=None):
     import jax.numpy as jnp
     import numpy as np
 
-    from gdp_jax.chunk_o import chunk_o_xla
     from gdp_jax.chunk_o_bwd_pallas import bwd_kernel_config, chunk_o_bwd_pallas
     from gdp_jax.chunk_o_pallas import chunk_o_pallas
 
@@ -185,21 +204,12 @@ def main(argv=None):
             continue
 
         q, k, v, h, g, runs, do = sets[0]
-        read = nbytes(q, k, v, h, g, runs, do)
-        written = nbytes(q, k, v, h) + (0 if g is None else g.size * 4)   # dq, dk, dv, dh, dg (f32)
-        row["bwd_bytes"] = read + written
+        row["bwd_bytes"] = backward_bytes(q, k, v, h, g, runs, do)
         row["fwd_bytes"] = nbytes(q, k, v, h, g, runs) + nbytes(do)        # o has do's size and dtype
         row["bwd_floor_ms"] = row["bwd_bytes"] / bw_Bps * 1e3
         row["fwd_floor_ms"] = row["fwd_bytes"] / bw_Bps * 1e3
         log(f"backward moves {row['bwd_bytes'] / 1e6:.1f} MB at best -> floor {row['bwd_floor_ms']:.4g} ms; "
             f"forward {row['fwd_bytes'] / 1e6:.1f} MB -> {row['fwd_floor_ms']:.4g} ms")
-
-        def xla_vjp(q, k, v, h, g, runs, do):
-            if g is None:
-                _, vjp = jax.vjp(lambda q, k, v, h: chunk_o_xla(q, k, v, h, None, runs, **kw), q, k, v, h)
-                return tuple(vjp(do)) + (None,)
-            _, vjp = jax.vjp(lambda *a: chunk_o_xla(*a, runs, **kw), q, k, v, h, g)
-            return vjp(do)
 
         def op_bwd(q, k, v, h, g, runs, do):
             from gdp_jax import chunk_gdp_fwd_o
@@ -217,7 +227,7 @@ def main(argv=None):
                 q, k, v, h, g, runs, do, interpret=args.interpret, config=cfg, **kw)),
             pallas_fwd=jax.jit(lambda q, k, v, h, g, runs, do: chunk_o_pallas(
                 q, k, v, h, g, runs, interpret=args.interpret, **kw)),
-            xla_vjp=jax.jit(xla_vjp),
+            xla_vjp=jax.jit(xla_vjp_fn(**kw)),
         )
         if args.op:
             fns["op_bwd"] = jax.jit(op_bwd)
@@ -264,11 +274,11 @@ def main(argv=None):
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1, default=str)
         log(f"\nwrote {args.out}")
-    print_table(rows, meta, bw)
+    print_results(rows, meta, bw)
     return result
 
 
-def print_table(rows, meta, bw):
+def print_results(rows, meta, bw):
     hdr = ["shape", "dtype", "bwd ms", "% floor", "floor ms", "fwd ms", "bwd/fwd", "xla vjp ms",
            "xla/bwd", "op bwd ms", "relerr max"]
     lines = []
@@ -278,16 +288,10 @@ def print_table(rows, meta, bw):
                       _fmt(r.get("bwd_floor_ms")), ms("pallas_fwd"), _fmt(r.get("bwd_over_fwd"), ".2f"),
                       ms("xla_vjp"), _fmt(r.get("xla_over_pallas"), ".2f"), ms("op_bwd"),
                       _fmt(r.get("relerr_max"), ".2e")])
-    widths = [max([len(h)] + [len(l[i]) for l in lines]) for i, h in enumerate(hdr)]
-    print()
-    print(f"device {meta['device']} | jax {meta['jax']} | copy bandwidth {bw['GBps']:.0f} GB/s | "
-          "% floor = floor / bwd (floor: inputs + do read once, cotangents written once); "
-          "xla/bwd > 1 means the kernel is faster")
-    print(" | ".join(h.ljust(w) for h, w in zip(hdr, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for l in lines:
-        print(" | ".join(c.ljust(w) for c, w in zip(l, widths)))
-    sys.stdout.flush()
+    print_table(hdr, lines,
+                f"device {meta['device']} | jax {meta['jax']} | copy bandwidth {bw['GBps']:.0f} GB/s | "
+                "% floor = floor / bwd (floor: inputs + do read once, cotangents written once); "
+                "xla/bwd > 1 means the kernel is faster")
 
 
 if __name__ == "__main__":

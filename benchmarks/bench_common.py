@@ -166,6 +166,20 @@ def nbytes(*arrs):
     return int(sum(a.size * a.dtype.itemsize for a in arrs if a is not None))
 
 
+def print_table(header, lines, caption):
+    """Prints ``caption`` then an aligned text table: ``header`` (column names) over ``lines`` (rows of
+    strings), columns separated by " | "."""
+    import sys
+    widths = [max([len(h)] + [len(l[i]) for l in lines]) for i, h in enumerate(header)]
+    print()
+    print(caption)
+    print(" | ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    print("-+-".join("-" * w for w in widths))
+    for l in lines:
+        print(" | ".join(c.ljust(w) for c, w in zip(l, widths)).rstrip())
+    sys.stdout.flush()
+
+
 def fmt(x, spec=".3f"):
     if x is None or (isinstance(x, float) and x != x):
         return "-"

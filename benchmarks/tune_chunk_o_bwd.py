@@ -39,9 +39,9 @@ import sys
 import time
 import traceback
 
-from bench_common import (copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
-                          relative_error_fn, shape_label, short_exc, time_jax)
-from bench_chunk_o_bwd import SHAPE_SETS as _BENCH_SHAPES, make_set
+from bench_common import (copy_bandwidth, fmt as _fmt, log, parse_shapes as _parse_shapes,
+                          relative_error_fn, shape_label, short_exc, time_jax, print_table)
+from bench_chunk_o_bwd import SHAPE_SETS as _BENCH_SHAPES, backward_bytes, make_set, xla_vjp_fn
 
 SHAPE_SETS = dict(_BENCH_SHAPES)
 # The headline shape first: it gets the whole candidate list; then the worst ratio (K = V = 64).
@@ -151,7 +151,6 @@ def main(argv=None):
     import jax.numpy as jnp
     import numpy as np
 
-    from gdp_jax.chunk_o import chunk_o_xla
     from gdp_jax.chunk_o_bwd_pallas import bwd_kernel_config, chunk_o_bwd_pallas
     from gdp_jax.chunk_o_pallas import chunk_o_pallas
 
@@ -195,20 +194,13 @@ def main(argv=None):
             sets = [make_set(keys[i], shp, dtype, bt, not args.no_g, shp["segs"], rng)
                     for i in range(args.sets)]
             q, k, v, h, g, runs, do = sets[0]
-            bytes_bwd = nbytes(q, k, v, h, g, runs, do) + nbytes(q, k, v, h) + (0 if g is None else g.size * 4)
+            bytes_bwd = backward_bytes(q, k, v, h, g, runs, do)
             floor_ms = bytes_bwd / bw_Bps * 1e3
             fwd = jax.jit(lambda q, k, v, h, g, runs, do: chunk_o_pallas(
                 q, k, v, h, g, runs, interpret=args.interpret, **kw))
             fwd_ms, _ = time_jax(fwd, sets, **timing)
 
-            def xla_vjp(q, k, v, h, g, runs, do):
-                if g is None:
-                    _, vjp = jax.vjp(lambda q, k, v, h: chunk_o_xla(q, k, v, h, None, runs, **kw), q, k, v, h)
-                    return tuple(vjp(do)) + (None,)
-                _, vjp = jax.vjp(lambda *a: chunk_o_xla(*a, runs, **kw), q, k, v, h, g)
-                return vjp(do)
-
-            ref = jax.block_until_ready(jax.jit(xla_vjp)(*sets[0]))
+            ref = jax.block_until_ready(jax.jit(xla_vjp_fn(**kw))(*sets[0]))
         except Exception as e:  # noqa: BLE001
             log(f"setup failed: {short_exc(e)}")
             traceback.print_exc(limit=4)
@@ -264,7 +256,7 @@ def main(argv=None):
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1, default=str)
         log(f"\nwrote {args.out}")
-    print_table(rows, meta, bw, skipped, elapsed())
+    print_results(rows, meta, bw, skipped, elapsed())
     return result
 
 
@@ -285,7 +277,7 @@ def _dedupe(plan, base, make):
     return out
 
 
-def print_table(rows, meta, bw, skipped, total_s):
+def print_results(rows, meta, bw, skipped, total_s):
     hdr = ["shape", "variant", "config", "ms", "x fwd", "% floor", "max rel err", ""]
     lines = []
     order = {s: i for i, s in enumerate(dict.fromkeys(r["shape"] for r in rows))}
@@ -298,14 +290,9 @@ def print_table(rows, meta, bw, skipped, total_s):
         lines.append([r["shape"], r["variant"], r["config"], _fmt(r.get("ms"), ".4g"),
                       _fmt(r.get("x_fwd"), ".2f"), _fmt(r.get("pct_floor"), ".0f"),
                       _fmt(r.get("relerr_max"), ".1e"), note.strip()])
-    widths = [max([len(h)] + [len(l[i]) for l in lines]) for i, h in enumerate(hdr)]
-    print()
-    print(f"device {meta['device']} | jax {meta['jax']} | copy bandwidth {bw['GBps']:.0f} GB/s | "
-          f"{total_s:.0f} s | x fwd = backward / Pallas forward; % floor = bandwidth floor / backward")
-    print(" | ".join(h.ljust(w) for h, w in zip(hdr, widths)).rstrip())
-    print("-+-".join("-" * w for w in widths))
-    for l in lines:
-        print(" | ".join(c.ljust(w) for c, w in zip(l, widths)).rstrip())
+    print_table(hdr, lines,
+                f"device {meta['device']} | jax {meta['jax']} | copy bandwidth {bw['GBps']:.0f} GB/s | "
+                f"{total_s:.0f} s | x fwd = backward / Pallas forward; % floor = bandwidth floor / backward")
     if skipped:
         print(f"skipped for the time budget: {len(skipped)} configs "
               f"({', '.join(sorted({s['shape'] for s in skipped}))})")

@@ -98,14 +98,29 @@ def check_mesh(p, mesh, batch_axis, head_axis, implementation, grad=True, tol=1e
     assert not lines, f"backward program has collectives: {lines}"
 
 
+def _four_device_meshes():
+    """Meshes (4,) over "data" and (2, 2) over ("data", "model") on the subprocess' 4 devices."""
+    devices = np.array(jax.devices())
+    return Mesh(devices, ("data",)), Mesh(devices.reshape(2, 2), ("data", "model"))
+
+
+def _two_gpu_cases():
+    """(mesh, batch_axis, head_axis) on 2 GPUs: B split, B split on a 2x1 grid, H split, and H
+    replicated over "model" (an auto axis)."""
+    devices = np.array(jax.devices()[:2])
+    data = Mesh(devices, ("data",))
+    grid = Mesh(devices.reshape(2, 1), ("data", "model"))
+    model = Mesh(devices.reshape(1, 2), ("data", "model"))
+    return [(data, "data", None), (grid, "data", "model"), (model, "data", "model"),
+            (model, "data", None)]
+
+
 def worker() -> None:
     """Runs in the 4-device subprocess; raises (non-zero exit) on any failure."""
     assert jax.device_count() == 4, jax.devices()
     start = time.perf_counter()
     p = _problem()
-    devices = np.array(jax.devices())
-    data = Mesh(devices, ("data",))
-    grid = Mesh(devices.reshape(2, 2), ("data", "model"))
+    data, grid = _four_device_meshes()
     cases = [
         (data, "data", None, "xla", True),
         (data, "data", None, "interpret", True),
@@ -255,9 +270,7 @@ def worker_full() -> None:
     assert jax.device_count() == 4, jax.devices()
     start = time.perf_counter()
     p = _full_problem()
-    devices = np.array(jax.devices())
-    data = Mesh(devices, ("data",))
-    grid = Mesh(devices.reshape(2, 2), ("data", "model"))
+    data, grid = _four_device_meshes()
     for mesh, b, hd, impl, grad in [(data, "data", None, "xla", True),
                                     (grid, "data", "model", "xla", True)]:
         t0 = time.perf_counter()
@@ -392,12 +405,7 @@ def test_two_gpus_pallas():
         pytest.skip("needs 2 GPUs")
     p = make_problem(3, batch=4, tokens=1000, heads=4, key_dim=128, value_dim=128, m=2,
                      chunk_size=64)
-    devices = np.array(jax.devices()[:2])
-    data = Mesh(devices, ("data",))
-    grid = Mesh(devices.reshape(2, 1), ("data", "model"))
-    model = Mesh(devices.reshape(1, 2), ("data", "model"))
-    for mesh, b, hd in [(data, "data", None), (grid, "data", "model"), (model, "data", "model"),
-                        (model, "data", None)]:  # the last: replicated over "model" (an auto axis)
+    for mesh, b, hd in _two_gpu_cases():
         check_mesh(p, mesh, b, hd, "pallas", grad=True, tol=2e-3)
 
 
@@ -409,12 +417,7 @@ def test_two_gpus_pallas_full_op():
         pytest.skip("needs 2 GPUs")
     p = _full_problem(batch=4, tokens=1000, heads=4, key_dim=128, value_dim=128, m=2,
                       chunk_size=64, seed=3)
-    devices = np.array(jax.devices()[:2])
-    data = Mesh(devices, ("data",))
-    grid = Mesh(devices.reshape(2, 1), ("data", "model"))
-    model = Mesh(devices.reshape(1, 2), ("data", "model"))
-    for mesh, b, hd in [(data, "data", None), (grid, "data", "model"), (model, "data", "model"),
-                        (model, "data", None)]:  # the last: replicated over "model" (an auto axis)
+    for mesh, b, hd in _two_gpu_cases():
         check_full_mesh(p, mesh, b, hd, "pallas", grad=True, tol=2e-3)
 
 

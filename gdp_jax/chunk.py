@@ -4,7 +4,7 @@
     k, v, beta, g --(2) wy.wy_xla | wy_pallas.wy_pallas--> w, u      (WY representation)
     k, w, u, g, initial_state --(3) chunk_h.chunk_h_xla | chunk_h_pallas.chunk_h_pallas--> h, v_new,
                                                                                      final_state
-    q, k, v_new, h, g --(4) chunk_o.chunk_gdp_fwd_o--> o
+    q, k, v_new, h, g --(4) chunk_o.chunk_o_from_runs (chunk_gdp_fwd_o minus its checks)--> o
 
 implementation="xla" runs stages 1-3 in jnp (exact gradients by plain autodiff). "pallas" and
 "interpret" run stages 2-3 as two Pallas kernels on a finer grid (wy_pallas.py: the WY system on
@@ -26,7 +26,7 @@ from gdp_jax import _validation as val
 from gdp_jax._chunking import tile_width
 from gdp_jax.chunk_h import chunk_h_xla
 from gdp_jax.chunk_h_pallas import chunk_h_pallas
-from gdp_jax.chunk_o import chunk_gdp_fwd_o
+from gdp_jax.chunk_o import chunk_o_from_runs
 from gdp_jax.cumsum import chunk_local_log2_cumsum
 from gdp_jax.segments import segment_runs
 from gdp_jax.wy import wy_xla
@@ -102,23 +102,24 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
     stage = dict(chunk_size=chunk_size, num_householder=m)
     if implementation == "xla":
-        w, u = wy_xla(k, v, beta, g_log2, runs, **stage)
-        h, v_new, final_state = chunk_h_xla(k, w, u, g_log2, runs, initial_state, **stage)
+        h, v_new, final_state = _states_jnp(k, v, beta, g_log2, runs, initial_state, **stage)
     else:
         h, v_new, final_state = _states(k, v, beta, g, runs, initial_state,
                                         (chunk_size, m, implementation == "interpret"))
     # The output stage takes v_new in the inputs' dtype (as flash-linear-attention does) and h in
     # float32 (jnp path) or the inputs' dtype when they are 16-bit (Pallas path, as fla does: it
     # halves the bytes h costs); it accumulates in float32 either way.
-    o = chunk_gdp_fwd_o(q, k, v_new.astype(v.dtype), h, g_log2, segment_ids=segment_ids,
-                        scale=scale, implementation=implementation, **stage)
+    # Inputs are checked and segment ids turned into run numbers above: chunk_o's entry point for
+    # that, so neither is done twice.
+    o = chunk_o_from_runs(q, k, v_new.astype(v.dtype), h, g_log2, runs, scale=scale,
+                          implementation=implementation, **stage)
     return o, (final_state if output_final_state else None)
 
 
-def _states_jnp(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int):
-    """Stages 1-3 in jnp: (h, v_new, final_state), float32. g natural-log [B, T, H] or None."""
+def _states_jnp(k, v, beta, g_log2, runs, initial_state, *, chunk_size: int, num_householder: int):
+    """Stages 2-3 in jnp: (h, v_new, final_state), float32. g_log2 [B, T, H] chunk-local log2
+    decays (stage 1) or None."""
     stage = dict(chunk_size=chunk_size, num_householder=num_householder)
-    g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
     w, u = wy_xla(k, v, beta, g_log2, runs, **stage)
     return chunk_h_xla(k, w, u, g_log2, runs, initial_state, **stage)
 
@@ -184,7 +185,9 @@ def _states_bwd(config, residuals, cotangents):
 
     def jnp_path(*args):
         full = dict(primals, **dict(zip(names, args)))
-        return _states_jnp(full["k"], full["v"], full["beta"], full["g"], runs, full["initial_state"],
+        g_log2 = (None if full["g"] is None
+                  else chunk_local_log2_cumsum(full["g"].astype(jnp.float32), chunk_size))
+        return _states_jnp(full["k"], full["v"], full["beta"], g_log2, runs, full["initial_state"],
                            chunk_size=chunk_size, num_householder=m)
 
     _, vjp = jax.vjp(jnp_path, *[primals[n] for n in names])

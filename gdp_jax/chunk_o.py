@@ -74,6 +74,16 @@ def chunk_gdp_fwd_o(q: jax.Array, k: jax.Array, v: jax.Array, h: jax.Array,
     return _chunk_o(q, k, v, h, g, runs, config)
 
 
+def chunk_o_from_runs(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_householder: int,
+                      implementation: str) -> jax.Array:
+    """chunk_gdp_fwd_o for a caller that has already checked its inputs, resolved ``implementation``
+    and ``scale``, and turned segment ids into run numbers (``segments.segment_runs``): the full op.
+    No checks here; the same custom_vjp."""
+    return _chunk_o(q, k, v, h, g, runs, _Config(scale=scale, chunk_size=chunk_size,
+                                                  num_householder=num_householder,
+                                                  implementation=implementation))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
     scale: float

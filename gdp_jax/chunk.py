@@ -9,9 +9,10 @@
 implementation="xla" runs stages 1-3 in jnp (exact gradients by plain autodiff). "pallas" and
 "interpret" run stages 2-3 as two Pallas kernels on a finer grid (wy_pallas.py: the WY system on
 sub-chunks of at most 64 positions of the expanded stream; chunk_h_pallas.py: the state walk over
-those sub-chunks, storing h at token-chunk boundaries), under one custom_vjp whose backward is the
-VJP of the jnp stages 1-3 (recomputed; exact, not yet fast). Both grids give the same h, v_new and
-final state: they are SPEC's. Stage 4 runs the chosen implementation under its own custom_vjp.
+those sub-chunks, storing h at token-chunk boundaries), under one custom_vjp. Its forward rule
+also keeps the state before every sub-chunk; its backward runs the reverse-walk kernel
+(chunk_h_bwd_pallas.py) on the same grid, then the WY stage's VJP (jnp, batched matmuls) and the
+cumsum's. Both grids give the same h, v_new and final state: they are SPEC's. Stage 4 runs the chosen implementation under its own custom_vjp.
 Segment ids become run numbers once (segments.py).
 """
 from __future__ import annotations
@@ -69,7 +70,7 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       chunk_size: power of two in [16, 128].
       implementation: "pallas", "xla", "interpret" or None, as for chunk_gdp_fwd_o: "xla" is jnp
         throughout; "pallas" (GPU) and "interpret" run the WY, state-walk and output stages as
-        Pallas kernels. The backward of the WY and state stages is the jnp VJP for now.
+        Pallas kernels; the backward of the state walk is a Pallas kernel, the WY stage's is jnp.
 
     Returns:
       (o, final_state): o [B, T, H, V] in v's dtype; final_state [B, H, K, V] float32, or None
@@ -124,16 +125,13 @@ def _states_jnp(k, v, beta, g_log2, runs, initial_state, *, chunk_size: int, num
     return chunk_h_xla(k, w, u, g_log2, runs, initial_state, **stage)
 
 
-def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
-                   interpret: bool):
-    """Stages 1-3 on the sub-chunk grid with the Pallas kernels: (h, v_new, final_state).
-
-    h [B, NT, H, K, V] and v_new [B, T*M, H, V] come in the inputs' dtype when it is 16-bit (float32
-    otherwise; v_new always in v's dtype); final_state [B, H, K, V] float32.
-    """
+def _sub_grid_operands(k, v, beta, g, runs, initial_state, chunk_size: int, m: int):
+    """The GPU path's operands on the sub-chunk grid of the expanded stream: positions padded to
+    whole token chunks (zero keys, values and betas; runs repeat the last token), K and V to tile
+    widths. Returns (k_p, v_p, beta_p, gamma, runs_p, h0, sub) with gamma [B, P_pad, H] float32
+    sub-chunk-local log2 decays (or None) and h0 [B, H, Kp, Vp] float32 (or None)."""
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
-    m = num_householder
     tokens = positions // m
     num_chunks = -(-tokens // chunk_size)
     padded_positions = num_chunks * chunk_size * m
@@ -148,20 +146,49 @@ def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_h
     if runs is not None:
         runs_p = jnp.pad(jnp.repeat(runs.astype(jnp.int32), m, axis=1),
                          ((0, 0), (0, padded_positions - positions)), mode="edge")
-    half = jnp.dtype(k.dtype).itemsize == 2
-    work_dtype = k.dtype if half else jnp.float32
-    w, u = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=work_dtype,
-                     interpret=interpret)
     h0 = None
     if initial_state is not None:
         h0 = jnp.pad(initial_state.astype(jnp.float32),
                      ((0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim)))
+    return k_p, v_p, beta_p, gamma, runs_p, h0, sub
+
+
+def _work_dtype(dtype):
+    """w, u and h stay in 16 bits for 16-bit inputs (as fla keeps them), float32 otherwise."""
+    return dtype if jnp.dtype(dtype).itemsize == 2 else jnp.float32
+
+
+def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
+                   interpret: bool, every_sub_chunk: bool = False):
+    """Stages 1-3 on the sub-chunk grid with the Pallas kernels: (h, v_new, final_state).
+
+    h [B, NT, H, K, V] and v_new [B, T*M, H, V] come in the inputs' dtype when it is 16-bit (float32
+    otherwise; v_new always in v's dtype); final_state [B, H, K, V] float32.
+
+    ``every_sub_chunk`` (the custom_vjp's forward) also returns what the backward needs:
+    (h, v_new, final_state, (w, h_sub, v_new_p)), with w [B, P_pad, H, Kp] and, on the padded
+    sub-chunk grid, the state before every sub-chunk h_sub [B, NS, H, Kp, Vp] and v_new_p
+    [B, P_pad, H, Vp]; h is then every ``chunk_size * M / sub``-th entry of h_sub.
+    """
+    positions, key_dim = k.shape[1], k.shape[3]
+    value_dim = v.shape[-1]
+    m = num_householder
+    k_p, v_p, beta_p, gamma, runs_p, h0, sub = _sub_grid_operands(
+        k, v, beta, g, runs, initial_state, chunk_size, m)
+    work_dtype = _work_dtype(k.dtype)
+    w, u = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=work_dtype,
+                     interpret=interpret)
+    per_chunk = chunk_size * m // sub
     h, v_new, final_state = chunk_h_pallas(
         k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
-        subchunks=chunk_size * m // sub, h_dtype=work_dtype, v_new_dtype=v.dtype,
-        interpret=interpret)
-    return (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
-            final_state[..., :key_dim, :value_dim])
+        subchunks=1 if every_sub_chunk else per_chunk, h_dtype=work_dtype,
+        v_new_dtype=v.dtype, interpret=interpret)
+    h_sub = h
+    if every_sub_chunk:
+        h = h_sub[:, ::per_chunk]
+    outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
+               final_state[..., :key_dim, :value_dim])
+    return outputs + ((w, h_sub, v_new),) if every_sub_chunk else outputs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -172,28 +199,65 @@ def _states(k, v, beta, g, runs, initial_state, config):
 
 
 def _states_fwd(k, v, beta, g, runs, initial_state, config):
-    return (_states(k, v, beta, g, runs, initial_state, config),
-            (k, v, beta, g, runs, initial_state))
+    chunk_size, m, interpret = config
+    h, v_new, final_state, saved = _states_pallas(
+        k, v, beta, g, runs, initial_state, chunk_size=chunk_size, num_householder=m,
+        interpret=interpret, every_sub_chunk=True)
+    return (h, v_new, final_state), (k, v, beta, g, runs, initial_state, saved)
 
 
 def _states_bwd(config, residuals, cotangents):
-    """The VJP of the jnp stages 1-3 at the same primals (they compute the same function)."""
-    k, v, beta, g, runs, initial_state = residuals
-    chunk_size, m, _ = config
-    primals = dict(k=k, v=v, beta=beta, g=g, initial_state=initial_state)
-    names = [n for n, x in primals.items() if x is not None]
+    """Reverse of _states_pallas on the sub-chunk grid, exact:
 
-    def jnp_path(*args):
-        full = dict(primals, **dict(zip(names, args)))
-        g_log2 = (None if full["g"] is None
-                  else chunk_local_log2_cumsum(full["g"].astype(jnp.float32), chunk_size))
-        return _states_jnp(full["k"], full["v"], full["beta"], g_log2, runs, full["initial_state"],
-                           chunk_size=chunk_size, num_householder=m)
+    1. the state walk's VJP: chunk_h_bwd_pallas's reverse-walk kernel over the sub-chunks (it
+       starts from the forward's h at every sub-chunk and v_new, saved), with the cotangent of h
+       placed on the token-chunk boundaries and zero elsewhere -> dk, dw, du, dgamma, dh0;
+    2. the WY stage's VJP (w, u -> k, v, beta, gamma), per sub-chunk;
+    3. the VJP of the expanded decays (gamma <- g, a cumsum) in jnp.
+    """
+    k, v, beta, g, runs, initial_state, (w, h_sub, v_new_p) = residuals
+    chunk_size, m, interpret = config
+    dh, dv_new, dfinal = cotangents
+    batch, positions, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    k_p, v_p, beta_p, gamma, runs_p, _, sub = _sub_grid_operands(
+        k, v, beta, g, runs, None, chunk_size, m)
+    padded_positions, kp, vp = k_p.shape[1], k_p.shape[3], v_p.shape[3]
+    f32 = jnp.float32
+    per_chunk = chunk_size * m // sub
+    pad_state = lambda x: jnp.pad(x.astype(f32), [(0, 0)] * (x.ndim - 2)
+                                  + [(0, kp - key_dim), (0, vp - value_dim)])
+    dh_sub = jnp.zeros(h_sub.shape, f32).at[:, ::per_chunk].set(pad_state(dh))
+    dv_new_p = jnp.pad(dv_new.astype(f32), ((0, 0), (0, padded_positions - positions), (0, 0),
+                                            (0, vp - value_dim)))
+    from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
+    dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
+        k_p, w, gamma, runs_p, h_sub, v_new_p, dh_sub, dv_new_p, pad_state(dfinal),
+        chunk_size=sub, num_householder=1, with_initial_state=initial_state is not None,
+        interpret=interpret)
 
-    _, vjp = jax.vjp(jnp_path, *[primals[n] for n in names])
-    grads = dict(zip(names, vjp(tuple(c.astype(jnp.float32) for c in cotangents))))
-    cast = lambda n: None if primals[n] is None else grads[n].astype(primals[n].dtype)
-    return cast("k"), cast("v"), cast("beta"), cast("g"), None, cast("initial_state")
+    # wy_xla on the sub-chunk grid (M = 1, chunk = sub, gamma as its chunk-local decays) is the
+    # function wy_pallas computes; its VJP is batched float32 matmuls.
+    def wy(k_p, v_p, beta_p, gamma=None):
+        return wy_xla(k_p, v_p, beta_p, gamma, runs_p, chunk_size=sub, num_householder=1)
+
+    wy_primals = (k_p.astype(f32), v_p.astype(f32), beta_p.astype(f32)) + (
+        () if gamma is None else (gamma,))
+    _, wy_vjp = jax.vjp(wy, *wy_primals)
+    wy_grads = wy_vjp((dw, du))
+    dk_p = dk_walk + wy_grads[0]
+    dk = dk_p[:, :positions, :, :key_dim]
+    dv = wy_grads[1][:, :positions, :, :value_dim]
+    dbeta = wy_grads[2][:, :positions]
+    dg = None
+    if g is not None:
+        _, decay_vjp = jax.vjp(
+            lambda g: expanded_log2_decays(g, m, padded_positions, sub), g.astype(f32))
+        (dg,) = decay_vjp(dgamma_walk + wy_grads[3])
+    cast = lambda x, primal: None if primal is None else x.astype(primal.dtype)
+    dinit = None if dh0 is None else dh0[..., :key_dim, :value_dim]
+    return (cast(dk, k), cast(dv, v), cast(dbeta, beta), cast(dg, g), None,
+            cast(dinit, initial_state))
 
 
 _states.defvjp(_states_fwd, _states_bwd)

@@ -79,7 +79,7 @@ def chunk_h(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder
     kernel as "pallas"/"interpret"); the backward runs ``backward``:
 
       "pallas"/"interpret": the reverse-walk kernel of chunk_h_bwd_pallas.py (compiled or
-        interpreted) plus its chunk-parallel jnp epilogue, from the forward's h and v_new (saved
+        interpreted) plus its chunk-parallel epilogue kernel, from the forward's h and v_new (saved
         as residuals, nothing recomputed);
       "xla": the VJP of the jnp scan, recomputed from the primals.
 

@@ -188,19 +188,23 @@ def test_chunk_h_kernel_in_interpreter(case):
     assert rel_err(final_state, p["ref"]["final_state"]) < 1e-5
 
 
-def test_interpret_gradients_match_xla():
-    # implementation="interpret": chunk_h's custom_vjp (kernel forward, jnp backward) and chunk_o's
-    # Pallas backward; no g and no initial state exercise the None plumbing of both VJPs.
-    p = make_full_problem(51, batch=1, tokens=40, heads=2, key_dim=16, value_dim=16, m=2,
-                          chunk_size=16, gated=False, initial_state=False)
+# implementation="interpret": the states' custom_vjp (sub-chunk kernels forward; reverse-walk kernel
+# and WY VJP backward) and chunk_o's Pallas backward. No g and no initial state exercise the None
+# plumbing of both VJPs; M = 3 at chunk 32 puts three sub-chunks in a token chunk, K != V.
+@pytest.mark.parametrize("m,chunk_size,key_dim,value_dim,segments",
+                         [(2, 16, 16, 16, True), (3, 32, 32, 16, False)])
+def test_interpret_gradients_match_xla(m, chunk_size, key_dim, value_dim, segments):
+    p = make_full_problem(51, batch=1, tokens=40, heads=2, key_dim=key_dim, value_dim=value_dim,
+                          m=m, chunk_size=chunk_size, gated=False, initial_state=False,
+                          segments=segments)
     do = jnp.asarray(np.random.default_rng(6).normal(size=p["ref"]["o"].shape), jnp.float32)
     seg = p["segment_ids"]
 
     def grads(implementation):
         def loss(q, k, v, beta):
             o, final_state = gdp_jax.chunk_gated_delta_product(
-                q, k, v, None, beta, output_final_state=True, segment_ids=seg, chunk_size=16,
-                implementation=implementation)
+                q, k, v, None, beta, output_final_state=True, segment_ids=seg,
+                chunk_size=chunk_size, implementation=implementation)
             return jnp.sum(o * do) + jnp.sum(final_state)
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(p["q"], p["k"], p["v"], p["beta"])
 

@@ -56,7 +56,7 @@ def test_chunk_h_kernel_compiled(key_dim, value_dim, m):
 
 
 # ----------------------------------------------------------------------------------------------
-# Backward of stage 3: the compiled reverse-walk kernel (+ jnp epilogue) against jax.vjp of the
+# Backward of stage 3: the compiled reverse-walk and epilogue kernels against jax.vjp of the
 # jnp scan (full-precision einsums). k in the inputs' dtype; w, u (WY stage) are float32.
 
 _BWD_SHAPE = dict(batch=2, tokens=1000, heads=4, key_dim=128, value_dim=128, m=2, chunk_size=64)
@@ -115,3 +115,40 @@ def test_chunk_h_custom_vjp_compiled():
 
     check(pallas_vjp(primals, cotangents), xla_vjp(primals, cotangents, **kw), primals,
           tol=TOL[np.float32])
+
+
+# ----------------------------------------------------------------------------------------------
+# The full op's gradients on the GPU path (sub-chunk kernels forward; reverse-walk kernel and WY
+# VJP backward; chunk_o's Pallas backward) against the jnp path's autodiff in float32 on the same
+# (rounded) inputs; the jnp path's gradients are checked against the float64 recurrence on CPU.
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,gated,segments,init", [(2, True, True, True), (3, False, False, False),
+                                                   (1, True, False, True)])
+def test_full_op_gradients_compiled(dtype, m, gated, segments, init):
+    p = make_full_problem(20 * m + gated, batch=2, tokens=700, heads=4, key_dim=128,
+                          value_dim=64 if m == 3 else 128, m=m, chunk_size=64, gated=gated,
+                          segments=segments, initial_state=init, dtype=dtype)
+    rng = np.random.default_rng(m)
+    do = jnp.asarray(rng.normal(size=p["ref"]["o"].shape), jnp.float32)
+    dfinal = jnp.asarray(rng.normal(size=p["ref"]["final_state"].shape), jnp.float32)
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if p[n] is not None]
+
+    def grads(implementation, cast):
+        def loss(*args):
+            a = dict(zip(names, args))
+            o, final_state = gdp_jax.chunk_gated_delta_product(
+                a["q"], a["k"], a["v"], a.get("g"), a["beta"], initial_state=a.get("initial_state"),
+                segment_ids=p["segment_ids"], output_final_state=True, chunk_size=64,
+                implementation=implementation)
+            return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final_state * dfinal)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(
+            *[cast(p[n]) for n in names])
+
+    got = grads("pallas", lambda x: x)
+    want = grads("xla", lambda x: jnp.asarray(x, jnp.float32))
+    errors = {n: rel_err(a, b) for n, a, b in zip(names, got, want)}
+    print(jnp.dtype(dtype).name, m, errors)
+    for n, a in zip(names, got):
+        assert a.dtype == p[n].dtype and a.shape == p[n].shape, n
+    assert max(errors.values()) < TOL[dtype], errors

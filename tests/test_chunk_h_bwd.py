@@ -1,4 +1,4 @@
-"""The backward of stage 3 (chunk_h_bwd_pallas: reverse-walk kernel + jnp epilogue) on CPU.
+"""The backward of stage 3 (chunk_h_bwd_pallas: reverse-walk and epilogue kernels) on CPU.
 
 The kernel runs in Pallas' interpreter, through chunk_h's custom_vjp (implementation="interpret":
 forward kernel, residuals h and v_new, backward kernel) and directly (split into key and value

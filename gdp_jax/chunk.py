@@ -10,10 +10,11 @@ implementation="xla" runs stages 1-3 in jnp (exact gradients by plain autodiff).
 "interpret" run stages 2-3 as two Pallas kernels on a finer grid (wy_pallas.py: the WY system on
 sub-chunks of at most 64 positions of the expanded stream; chunk_h_pallas.py: the state walk over
 those sub-chunks, storing h at token-chunk boundaries), under one custom_vjp. Its forward rule
-also keeps the state before every sub-chunk; its backward runs the reverse-walk kernel
-(chunk_h_bwd_pallas.py) on the same grid, then the WY stage's VJP (jnp, batched matmuls) and the
-cumsum's. Both grids give the same h, v_new and final state: they are SPEC's. Stage 4 runs the chosen implementation under its own custom_vjp.
-Segment ids become run numbers once (segments.py).
+also keeps the state before every sub-chunk; its backward runs the state walk's VJP kernels
+(chunk_h_bwd_pallas.py) on the same grid, then the WY stage's and the cumsum's in jnp
+(wy.wy_bwd_xla: batched matmuls). Both grids give the same h, v_new and final state: they are
+SPEC's. Stage 4 runs the chosen implementation under its own custom_vjp. Segment ids become run
+numbers once (segments.py).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from gdp_jax.chunk_h_pallas import chunk_h_pallas
 from gdp_jax.chunk_o import chunk_o_from_runs
 from gdp_jax.cumsum import chunk_local_log2_cumsum
 from gdp_jax.segments import segment_runs
-from gdp_jax.wy import wy_xla
+from gdp_jax.wy import wy_bwd_xla, wy_xla
 from gdp_jax.wy_pallas import expanded_log2_decays, sub_chunk_size, wy_pallas
 
 L2NORM_EPS = 1e-6
@@ -70,7 +71,7 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       chunk_size: power of two in [16, 128].
       implementation: "pallas", "xla", "interpret" or None, as for chunk_gdp_fwd_o: "xla" is jnp
         throughout; "pallas" (GPU) and "interpret" run the WY, state-walk and output stages as
-        Pallas kernels; the backward of the state walk is a Pallas kernel, the WY stage's is jnp.
+        Pallas kernels (the WY stage's backward is jnp).
 
     Returns:
       (o, final_state): o [B, T, H, V] in v's dtype; final_state [B, H, K, V] float32, or None
@@ -209,10 +210,10 @@ def _states_fwd(k, v, beta, g, runs, initial_state, config):
 def _states_bwd(config, residuals, cotangents):
     """Reverse of _states_pallas on the sub-chunk grid, exact:
 
-    1. the state walk's VJP: chunk_h_bwd_pallas's reverse-walk kernel over the sub-chunks (it
-       starts from the forward's h at every sub-chunk and v_new, saved), with the cotangent of h
-       placed on the token-chunk boundaries and zero elsewhere -> dk, dw, du, dgamma, dh0;
-    2. the WY stage's VJP (w, u -> k, v, beta, gamma), per sub-chunk;
+    1. the state walk's VJP: chunk_h_bwd_pallas's kernels over the sub-chunks (from the forward's
+       h at every sub-chunk and v_new, saved; h's cotangent enters at token-chunk boundaries)
+       -> dk, dw, du, dgamma, dh0;
+    2. the WY stage's VJP (w, u -> k, v, beta, gamma), per sub-chunk, in jnp (wy.wy_bwd_xla);
     3. the VJP of the expanded decays (gamma <- g, a cumsum) in jnp.
     """
     k, v, beta, g, runs, initial_state, (w, h_sub, v_new_p) = residuals
@@ -227,24 +228,16 @@ def _states_bwd(config, residuals, cotangents):
     per_chunk = chunk_size * m // sub
     pad_state = lambda x: jnp.pad(x.astype(f32), [(0, 0)] * (x.ndim - 2)
                                   + [(0, kp - key_dim), (0, vp - value_dim)])
-    dh_sub = jnp.zeros(h_sub.shape, f32).at[:, ::per_chunk].set(pad_state(dh))
     dv_new_p = jnp.pad(dv_new.astype(f32), ((0, 0), (0, padded_positions - positions), (0, 0),
                                             (0, vp - value_dim)))
     from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
     dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
-        k_p, w, gamma, runs_p, h_sub, v_new_p, dh_sub, dv_new_p, pad_state(dfinal),
+        k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh), dv_new_p, pad_state(dfinal),
         chunk_size=sub, num_householder=1, with_initial_state=initial_state is not None,
-        interpret=interpret)
+        interpret=interpret, subchunks=per_chunk)
 
-    # wy_xla on the sub-chunk grid (M = 1, chunk = sub, gamma as its chunk-local decays) is the
-    # function wy_pallas computes; its VJP is batched float32 matmuls.
-    def wy(k_p, v_p, beta_p, gamma=None):
-        return wy_xla(k_p, v_p, beta_p, gamma, runs_p, chunk_size=sub, num_householder=1)
-
-    wy_primals = (k_p.astype(f32), v_p.astype(f32), beta_p.astype(f32)) + (
-        () if gamma is None else (gamma,))
-    _, wy_vjp = jax.vjp(wy, *wy_primals)
-    wy_grads = wy_vjp((dw, du))
+    # The WY stage's VJP per sub-chunk, written out in batched matmuls (wy.wy_bwd_xla).
+    wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)
     dk_p = dk_walk + wy_grads[0]
     dk = dk_p[:, :positions, :, :key_dim]
     dv = wy_grads[1][:, :positions, :, :value_dim]

@@ -110,7 +110,8 @@ def default_blocks(key_dim: int, value_dim: int, chunk_size: int) -> tuple[int, 
 
 
 def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: int,
-                        block_k: int, has_g: bool, has_segments: bool, has_initial_state: bool):
+                        block_k: int, has_g: bool, has_segments: bool, has_initial_state: bool,
+                        subchunks: int):
     k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, *refs = refs
     g_ref = refs.pop(0) if has_g else None
     runs_ref = refs.pop(0) if has_segments else None
@@ -121,14 +122,13 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
     key_blocks = [pl.ds(start, block_k) for start in range(0, key_dim, block_k)]
     is_last = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
 
-    def one_chunk(i, carry):
+    def one_chunk(c, carry, dh_index):
         ds, run_first_next = carry           # dS_in of chunk c+1 (unmasked) and its run_first
-        c = num_chunks - 1 - i
         rows = pl.ds(c * chunk_size, chunk_size)
         if has_segments:
             run = runs_ref[rows]                                     # [BT] run numbers
             run_first, run_last = jnp.min(run), jnp.max(run)         # runs never decrease
-            reset_next = (i > 0) & (run_first_next != run_last)      # chunk c+1 started a segment
+            reset_next = (c < num_chunks - 1) & (run_first_next != run_last)   # c+1 started one
             ds = tuple(jnp.where(reset_next, 0.0, x) for x in ds)    # -> dS_c
         else:
             run_first = run_first_next
@@ -145,7 +145,9 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
         if has_segments:
             coeff = jnp.where(run == run_last, coeff, 0.0)           # a_j
             carry_in = jnp.where(run_first == run_last, carry_in, 0.0)   # d_c
-        acc = tuple(dh_ref[c, kb, :] + carry_in * x for kb, x in zip(key_blocks, ds))
+        acc = tuple(carry_in * x for x in ds)
+        if dh_index is not None:                                     # h[c] is an output
+            acc = tuple(dh_ref[dh_index, kb, :] + a for kb, a in zip(key_blocks, acc))
 
         def one_copy(m, acc):
             dvt = dv_ref[rows, m, :].astype(jnp.float32)             # [BT, BV]
@@ -164,7 +166,14 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
         return acc, run_first
 
     ds = tuple(dfinal_ref[kb, :] for kb in key_blocks)
-    ds, _ = jax.lax.fori_loop(0, num_chunks, one_chunk, (ds, jnp.int32(0)))
+
+    def one_stored_chunk(i, carry):      # h was stored before the first of every `subchunks` chunks
+        stored = num_chunks // subchunks - 1 - i
+        for e in reversed(range(subchunks)):
+            carry = one_chunk(stored * subchunks + e, carry, stored if e == 0 else None)
+        return carry
+
+    ds, _ = jax.lax.fori_loop(0, num_chunks // subchunks, one_stored_chunk, (ds, jnp.int32(0)))
     if has_initial_state:                                            # dS_in[0], never reset
         for kb, x in zip(key_blocks, ds):
             dinit_ref[kb, :] = x
@@ -173,14 +182,17 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
 def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_householder: int,
                      with_initial_state: bool, interpret: bool = False,
                      block_k: int | None = None, block_v: int | None = None,
-                     num_warps: int | None = None, num_stages: int = 1):
+                     num_warps: int | None = None, num_stages: int = 1, subchunks: int = 1):
     """The reverse walk alone: (dvt [B, T_pad*M, H, Vp], dS [B, NT, H, Kp, Vp], dinitial
-    [B, H, Kp, Vp] or None), float32, padded (T to whole chunks, K and V to tile widths)."""
+    [B, H, Kp, Vp] or None), float32, padded (T to whole chunks, K and V to tile widths).
+
+    ``subchunks`` > 1 mirrors chunk_h_pallas's: dh [B, NT / subchunks, H, K, V] is the cotangent
+    of the states stored before every ``subchunks``-th chunk (the others were not outputs)."""
     batch, positions, heads, key_dim = k.shape
     value_dim = dv_new.shape[-1]
     m = num_householder
     tokens = positions // m
-    num_chunks = -(-tokens // chunk_size)
+    num_chunks = -(-tokens // (chunk_size * subchunks)) * subchunks
     pad_t = num_chunks * chunk_size - tokens
     t_pad = tokens + pad_t
     kp, vp = tile_width(key_dim), tile_width(value_dim)
@@ -203,7 +215,9 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     states = pl.BlockSpec((None, num_chunks, None, kp, block_v),
                           lambda vb, hd, b: (b, 0, hd, 0, vb))
     one_state = pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb))
-    in_specs = [key_stream, key_stream, value_stream, states, one_state]
+    stored_states = pl.BlockSpec((None, num_chunks // subchunks, None, kp, block_v),
+                                 lambda vb, hd, b: (b, 0, hd, 0, vb))
+    in_specs = [key_stream, key_stream, value_stream, stored_states, one_state]
     row_operands, row_specs = decay_and_run_operands(g, runs, pad_t)
     operands += row_operands
     in_specs += row_specs
@@ -218,7 +232,7 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     kernel = functools.partial(
         _chunk_h_bwd_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
         block_k=block_k, has_g=g is not None, has_segments=runs is not None,
-        has_initial_state=with_initial_state)
+        has_initial_state=with_initial_state, subchunks=subchunks)
     call = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
@@ -298,7 +312,7 @@ def _epilogue_kernel(*refs, num_householder: int, chunk_size: int, block_k: int,
 
 def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_size: int,
                        num_householder: int, with_initial_state: bool, interpret: bool = False,
-                       epilogue_warps: int = 4, **walk_kwargs):
+                       epilogue_warps: int = 4, subchunks: int = 1, **walk_kwargs):
     """(dk, dw, du, dg, dinitial_state), float32: the VJP of ``chunk_h.chunk_h_xla``.
 
     Primals: k, w [B, T*M, H, K]; g [B, T, H] chunk-local log2 decays or None; runs [B, T] int32
@@ -307,12 +321,14 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     dg is None when g is None, dinitial_state None unless ``with_initial_state``.
     ``walk_kwargs`` (block_k, block_v, num_warps, num_stages) go to the reverse-walk kernel;
     the epilogue kernel runs one program per (head, chunk, batch row) with ``epilogue_warps``.
+    ``subchunks`` > 1 (chunk_h_pallas's): dh [B, NT / subchunks, H, K, V] holds the cotangents of
+    the states stored before every ``subchunks``-th chunk; h, as a residual, is every chunk's.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v_new.shape[-1]
     m = num_householder
     tokens = positions // m
-    num_chunks = -(-tokens // chunk_size)
+    num_chunks = -(-tokens // (chunk_size * subchunks)) * subchunks
     pad_t = num_chunks * chunk_size - tokens
     t_pad = tokens + pad_t
     kp, vp = tile_width(key_dim), tile_width(value_dim)
@@ -320,7 +336,8 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
 
     dvt, dstate, dinit = chunk_h_bwd_walk(
         k, w, g, runs, dh, dv_new, dfinal, chunk_size=chunk_size, num_householder=m,
-        with_initial_state=with_initial_state, interpret=interpret, **walk_kwargs)
+        with_initial_state=with_initial_state, interpret=interpret, subchunks=subchunks,
+        **walk_kwargs)
     # The epilogue, chunk-parallel: dw = -dvt h^T and dkd = v_new dS^T sum over the whole V (see
     # the module docstring), on [BT, 64] tiles, reading h[c] and dS_c once per copy.
     h_p = jnp.pad(h, ((0, 0), (0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim)))

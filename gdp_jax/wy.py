@@ -26,6 +26,7 @@ deadlock a 2-thread pool (seen as a training loop asleep on a futex; examples/ti
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import jax
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from gdp_jax._chunking import expand, from_chunks, to_chunks
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+_LN2 = math.log(2.0)
 
 
 def chunk_decays(g: Optional[jax.Array], runs: Optional[jax.Array], batch: int, tokens: int,
@@ -104,3 +106,60 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
         inv = jnp.concatenate([top, bottom], axis=-2)
         s *= 2
     return inv[..., 0, :length, :length]
+
+
+def wy_bwd_xla(k, v, beta, g, runs, dw, du, *, chunk_size: int):
+    """The VJP of ``wy_xla(k, v, beta, g, runs, chunk_size=chunk_size, num_householder=1)`` written
+    out (the GPU path's WY backward on its sub-chunk grid): (dk, dv, dbeta, dg or None), float32.
+
+    With R_w = beta live 2^g k, R_u = beta v, T = (I + A)^{-1} and cotangents dw, du of w = T R_w,
+    u = T R_u (d 2^x = ln2 2^x dx; the mask keeps A's structural zeros constant):
+
+        dR   = T^T dX                                  for (X, R) = (w, R_w) and (u, R_u)
+        dA   = -mask o (T^T (dw R_w^T + du R_u^T) T^T)          (dT = -T dA T)
+        A    = beta_j D_ji G_ji,  D_ji = 2^(g_j - g_i) on the mask,  G = K K^T:
+        dk   = dG K + dG^T K + beta live 2^g dR_w,     dG = dA o beta_j D
+        dbeta_j  = sum_i dA_ji D_ji G_ji + v_j . dR_u_j + live_j 2^g_j (k_j . dR_w_j)
+        dg_j     = ln2 (sum_i Z_ji - sum_i Z_ij + beta_j live_j 2^g_j (k_j . dR_w_j)),  Z = dA o A
+        dv   = beta dR_u
+
+    T is rebuilt once (``unit_lower_inverse``) and not differentiated, so this costs a handful of
+    batched matmuls where autodiff of wy_xla also differentiates the block doubling.
+    """
+    batch, positions, heads, _ = k.shape
+    f32 = jnp.float32
+    einsum = lambda spec, *xs: jnp.einsum(spec, *xs, precision=_HIGHEST)
+    kc = to_chunks(k.astype(f32), chunk_size)                             # [B, N, H, S, K]
+    vc = to_chunks(v.astype(f32), chunk_size)                             # [B, N, H, S, V]
+    bc = to_chunks(beta.astype(f32)[..., None], chunk_size)[..., 0]       # [B, N, H, S]
+    gc, rc = chunk_decays(g, runs, batch, positions, heads, chunk_size)  # [B, N, H, S], [B, N, S]
+    dwc, duc = to_chunks(dw.astype(f32), chunk_size), to_chunks(du.astype(f32), chunk_size)
+    run = rc[:, :, None]                                                  # [B, N, 1, S]
+    lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
+    mask = lower & (run[..., :, None] == run[..., None, :])
+    decay = jnp.where(mask, jnp.exp2(jnp.where(mask, gc[..., :, None] - gc[..., None, :], 0.0)), 0.0)
+    gram = einsum("bnhjk,bnhik->bnhji", kc, kc)
+    a = bc[..., :, None] * decay * gram
+    live_decay = (run == run[..., :1]).astype(f32) * jnp.exp2(gc)         # live 2^g
+    scale_w = bc * live_decay
+    rhs_w, rhs_u = scale_w[..., None] * kc, bc[..., None] * vc
+    t_inv = unit_lower_inverse(a)
+    d_rhs_w = einsum("bnhij,bnhik->bnhjk", t_inv, dwc)                   # T^T dw
+    d_rhs_u = einsum("bnhij,bnhiv->bnhjv", t_inv, duc)
+    outer = einsum("bnhjk,bnhik->bnhji", dwc, rhs_w) + einsum("bnhjv,bnhiv->bnhji", duc, rhs_u)
+    d_a = -jnp.where(mask, einsum("bnhxj,bnhxy,bnhiy->bnhji", t_inv, outer, t_inv), 0.0)
+    d_gram = d_a * bc[..., :, None] * decay
+    k_dot_drw = jnp.sum(kc * d_rhs_w, axis=-1)
+    dk = (einsum("bnhji,bnhik->bnhjk", d_gram, kc) + einsum("bnhij,bnhik->bnhjk", d_gram, kc)
+          + scale_w[..., None] * d_rhs_w)
+    dbeta = (jnp.sum(d_a * decay * gram, axis=-1) + jnp.sum(vc * d_rhs_u, axis=-1)
+             + live_decay * k_dot_drw)
+    dv = bc[..., None] * d_rhs_u
+    flat = lambda x: from_chunks(x, positions)
+    flat_row = lambda x: from_chunks(x[..., None], positions)[..., 0]
+    dg = None
+    if g is not None:
+        z = d_a * a
+        dg = _LN2 * (jnp.sum(z, axis=-1) - jnp.sum(z, axis=-2) + scale_w * k_dot_drw)
+        dg = flat_row(dg)
+    return flat(dk), flat(dv), flat_row(dbeta), dg

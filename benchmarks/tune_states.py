@@ -2,6 +2,7 @@
 """Sweep the launch parameters of the full op's GPU stages 2-3 (wy_pallas, chunk_h_pallas on sub-chunks).
 
     PYTHONPATH=. python3 benchmarks/tune_states.py [--shape B=8,T=4096,H=16,K=128,M=2] [--out f.json]
+        [--wy-warps 2,4,8] [--half-apply 0,1] [--wy-only]
 
 Times (bench_common.time_jax, 3 rotated input sets) the WY kernel for num_warps x half_apply and the
 state walk for block_v x num_warps, on the expanded, padded stream exactly as chunk.py feeds them,
@@ -22,7 +23,12 @@ def main():
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--interpret", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--wy-warps", default="2,4,8", help="comma-separated num_warps for the WY sweep")
+    p.add_argument("--wy-only", action="store_true", help="skip the chunk_h sweep")
+    p.add_argument("--half-apply", default="0,1", help="comma-separated half_apply values (0, 1)")
     args = p.parse_args()
+    wy_warps = [int(w) for w in args.wy_warps.split(",") if w]
+    half_applies = [bool(int(x)) for x in args.half_apply.split(",") if x]
     import jax
     import jax.numpy as jnp
     from gdp_jax.chunk_h_pallas import chunk_h_pallas
@@ -56,17 +62,17 @@ def main():
             log(f"{name} {cfg}: FAILED {short_exc(e)}")
             rows.append(dict(stage=name, config=cfg, error=short_exc(e)))
 
-    for warps in (2, 4, 8):
-        for half in (False, True):
+    for warps in wy_warps:
+        for half in half_applies:
             cfg = dict(num_warps=warps, half_apply=half)
             timed("wy", cfg, lambda k, v, b, g, cfg=cfg: wy_pallas(
-                k, v, b, g, None, sub_chunk=sub, out_dtype=jnp.bfloat16, interpret=args.interpret, **cfg),
-                sets)
+                k, v, b, g, None, sub_chunk=sub, out_dtype=jnp.bfloat16, interpret=args.interpret,
+                **cfg), sets)
     wu = [jax.block_until_ready(jax.jit(lambda k, v, b, g: wy_pallas(
         k, v, b, g, None, sub_chunk=sub, out_dtype=jnp.bfloat16, interpret=args.interpret))(*s))
         for s in sets]
     h_sets = [(s[0], w, u, s[3]) for s, (w, u) in zip(sets, wu)]
-    for bv in (16, 32, 64):
+    for bv in () if args.wy_only else (16, 32, 64):
         for warps in (2, 4, 8):
             cfg = dict(block_v=bv, num_warps=warps)
             timed("chunk_h", cfg, lambda k, w, u, g, cfg=cfg: chunk_h_pallas(

@@ -13,13 +13,12 @@ token's decay and run so it changes nothing), with w and u from stage 2:
 
 and the final state is the state out of the last chunk: the state after each row's last token.
 
-Gradients: ``chunk_h`` wraps the walk in one custom_vjp whose backward is either the VJP of the jnp
-scan (recomputed) or the reverse-walk kernel of chunk_h_bwd_pallas.py (its docstring derives the
-VJP), which starts from the forward's h and v_new.
+Gradients: ``chunk_h_xla`` is differentiated by plain autodiff (implementation="xla"). The GPU
+path's walk (chunk_h_pallas.py) gets its VJP from the kernels of chunk_h_bwd_pallas.py (whose
+docstring derives it), called by chunk.py's custom_vjp with the forward's h and v_new.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import jax
@@ -71,95 +70,3 @@ def chunk_h_xla(k, w, u, g, runs, initial_state: Optional[jax.Array], *, chunk_s
 
     final_state, (h, v_new) = jax.lax.scan(step, state0, xs)
     return jnp.moveaxis(h, 0, 1), from_chunks(jnp.moveaxis(v_new, 0, 1), positions), final_state
-
-
-def chunk_h(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder: int,
-            implementation: str, backward: Optional[str] = None):
-    """Stage 3 under one custom_vjp. The forward runs ``implementation`` ("xla", or the Pallas
-    kernel as "pallas"/"interpret"); the backward runs ``backward``:
-
-      "pallas"/"interpret": the reverse-walk kernel of chunk_h_bwd_pallas.py (compiled or
-        interpreted) plus its chunk-parallel epilogue kernel, from the forward's h and v_new (saved
-        as residuals, nothing recomputed);
-      "xla": the VJP of the jnp scan, recomputed from the primals.
-
-    ``backward=None`` picks: plain autodiff (no custom_vjp) for implementation="xla"; the
-    interpreted kernel for "interpret"; for "pallas" the compiled kernel once
-    ``chunk_h_bwd_pallas.USE_ON_GPU`` is set, the jnp VJP until then.
-
-    Same arguments and results as ``chunk_h_xla``; cotangents take their primals' dtypes.
-    """
-    backward = backward_implementation(implementation, backward)
-    if backward is None:   # plain autodiff, no recomputation
-        return chunk_h_xla(k, w, u, g, runs, initial_state, chunk_size=chunk_size,
-                           num_householder=num_householder)
-    return _chunk_h(k, w, u, g, runs, initial_state,
-                    (chunk_size, num_householder, implementation, backward))
-
-
-def backward_implementation(implementation: str, backward: Optional[str] = None) -> Optional[str]:
-    """The backward chunk_h runs (see ``chunk_h``); None means plain autodiff of chunk_h_xla."""
-    if backward is not None:
-        return backward
-    if implementation == "xla":
-        return None
-    from gdp_jax import chunk_h_bwd_pallas
-    if implementation == "pallas" and not chunk_h_bwd_pallas.USE_ON_GPU:
-        return "xla"
-    return implementation
-
-
-def _chunk_h_forward(k, w, u, g, runs, initial_state, config):
-    chunk_size, num_householder, implementation, _ = config
-    kwargs = dict(chunk_size=chunk_size, num_householder=num_householder)
-    if implementation == "xla":
-        return chunk_h_xla(k, w, u, g, runs, initial_state, **kwargs)
-    from gdp_jax.chunk_h_pallas import chunk_h_pallas
-    return chunk_h_pallas(k, w, u, g, runs, initial_state,
-                          interpret=implementation == "interpret", **kwargs)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _chunk_h(k, w, u, g, runs, initial_state, config):
-    return _chunk_h_forward(k, w, u, g, runs, initial_state, config)
-
-
-def _chunk_h_fwd(k, w, u, g, runs, initial_state, config):
-    outputs = _chunk_h_forward(k, w, u, g, runs, initial_state, config)
-    if config[3] == "xla":
-        return outputs, (k, w, u, g, runs, initial_state)
-    h, v_new, _ = outputs
-    # The kernel needs the forward's h and v_new, not u: keep only u's dtype (a scalar).
-    return outputs, (k, w, jnp.zeros((), u.dtype), g, runs, initial_state, h, v_new)
-
-
-def _chunk_h_bwd(config, residuals, cotangents):
-    chunk_size, num_householder, _, backward = config
-    kwargs = dict(chunk_size=chunk_size, num_householder=num_householder)
-    if backward != "xla":
-        k, w, u_dtype, g, runs, initial_state, h, v_new = residuals
-        from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
-        dk, dw, du, dg, dinit = chunk_h_bwd_pallas(
-            k, w, g, runs, h, v_new, *cotangents, with_initial_state=initial_state is not None,
-            interpret=backward == "interpret", **kwargs)
-        cast = lambda x, primal: None if primal is None else x.astype(primal.dtype)
-        return (cast(dk, k), cast(dw, w), cast(du, u_dtype), cast(dg, g), None,
-                cast(dinit, initial_state))
-
-    k, w, u, g, runs, initial_state = residuals
-    names = ["k", "w", "u"] + (["g"] if g is not None else []) \
-        + (["initial_state"] if initial_state is not None else [])
-    primals = dict(k=k, w=w, u=u, g=g, initial_state=initial_state)
-
-    def jnp_path(*args):
-        full = dict(primals, **dict(zip(names, args)))
-        return chunk_h_xla(full["k"], full["w"], full["u"], full["g"], runs, full["initial_state"],
-                           **kwargs)
-
-    _, vjp = jax.vjp(jnp_path, *[primals[n] for n in names])
-    grads = dict(zip(names, vjp(cotangents)))
-    cast = lambda name: None if primals[name] is None else grads[name].astype(primals[name].dtype)
-    return cast("k"), cast("w"), cast("u"), cast("g"), None, cast("initial_state")
-
-
-_chunk_h.defvjp(_chunk_h_fwd, _chunk_h_bwd)

@@ -65,9 +65,9 @@ iteration later (when chunk c-1's runs are loaded), comparing with chunk c's run
 the loop. gamma_last is a masked sum of the chunk's gamma vector. Rows, K and V are padded like the
 forward kernel (zero k, w, dv_new, dh, dfinal; edge-padded g and runs), which changes nothing.
 
-Status: tested through Pallas' interpreter on CPU (tests/test_chunk_h_bwd.py); lowered to Triton IR
-on CPU (jax 0.10.2) and that IR compiled offline for sm_90a (pip triton 3.9); not yet run on a GPU, so chunk_h uses it under implementation="pallas"
-only once USE_ON_GPU is set (after tests/test_chunk_gpu.py passes on a GPU).
+Status: tested through Pallas' interpreter on CPU (tests/test_chunk_h_bwd.py) and compiled on an
+H200 (tests/test_chunk_gpu.py: the kernels alone against jax.vjp of the jnp scan, and the full
+op's gradients, which use them on the sub-chunk grid).
 """
 from __future__ import annotations
 
@@ -82,10 +82,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._chunking import tile_width
 from gdp_jax.chunk_h_pallas import decay_and_run_operands, stream_layout
-
-# Flip once the backward tests in tests/test_chunk_gpu.py pass on a GPU: then chunk_h's custom_vjp
-# runs this kernel for implementation="pallas" (it always does for "interpret").
-USE_ON_GPU = False
 
 _LN2 = math.log(2.0)
 

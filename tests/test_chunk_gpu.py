@@ -1,9 +1,6 @@
 """chunk_gated_delta_product and the chunk_h kernels compiled for the GPU, against the float64
-recurrence (forward) and jax.vjp of the jnp walk (backward).
-
-Skipped without a GPU. The full op's tests and test_chunk_h_kernel_compiled passed on an H200;
-once the test_chunk_h_bwd_* tests do too, set gdp_jax.chunk_h_bwd_pallas.USE_ON_GPU = True so that
-chunk_h(implementation="pallas") uses the backward kernel.
+recurrence (forward), jax.vjp of the jnp walk (the walk's backward kernels) and autodiff of the
+jnp path (the full op's gradients). Skipped without a GPU.
 """
 import jax
 import jax.numpy as jnp
@@ -11,7 +8,7 @@ import numpy as np
 import pytest
 
 import gdp_jax
-from gdp_jax.chunk_h import chunk_h, chunk_h_xla
+from gdp_jax.chunk_h import chunk_h_xla
 from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
 from gdp_jax.chunk_h_pallas import chunk_h_pallas
 from gdp_jax.cumsum import chunk_local_log2_cumsum
@@ -98,22 +95,6 @@ def test_chunk_h_bwd_kernel_widths_and_chunks(key_dim, value_dim, m, chunk_size)
                                   **kw)
 
     check(kernel_vjp(primals, cotangents), xla_vjp(primals, cotangents, **kw), primals,
-          tol=TOL[np.float32])
-
-
-def test_chunk_h_custom_vjp_compiled():
-    # chunk_h's custom_vjp with both kernels compiled: forward kernel, residuals h and v_new,
-    # backward kernel.
-    primals, cotangents, kw = make_inputs(7, gated=True, segments=True, init=True, **_BWD_SHAPE)
-
-    @jax.jit
-    def pallas_vjp(primals, cotangents):
-        k, w, u, g, runs, state0 = primals
-        fn = lambda k, w, u, g, s: chunk_h(k, w, u, g, runs, s, implementation="pallas",
-                                           backward="pallas", **kw)
-        return jax.vjp(fn, k, w, u, g, state0)[1](cotangents)
-
-    check(pallas_vjp(primals, cotangents), xla_vjp(primals, cotangents, **kw), primals,
           tol=TOL[np.float32])
 
 

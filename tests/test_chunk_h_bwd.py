@@ -1,8 +1,8 @@
 """The backward of stage 3 (chunk_h_bwd_pallas: reverse-walk and epilogue kernels) on CPU.
 
-The kernel runs in Pallas' interpreter, through chunk_h's custom_vjp (implementation="interpret":
-forward kernel, residuals h and v_new, backward kernel) and directly (split into key and value
-blocks), against jax.vjp of the jnp scan chunk_h_xla, on fresh random inputs and cotangents for
+The kernels run in Pallas' interpreter, from the forward kernel's residuals h and v_new (as
+chunk.py's custom_vjp calls them) and from chunk_h_xla's (split into key and value blocks),
+against jax.vjp of the jnp scan chunk_h_xla, on fresh random inputs and cotangents for
 every cotangent output. w and u come from the WY stage, so the walk is well conditioned. The full
 op's gradients under "interpret" are checked against float64 autodiff of the recurrence in
 test_chunk.py::test_gradients_against_recurrence.
@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdp_jax.chunk_h import chunk_h, chunk_h_xla
+from gdp_jax.chunk_h import chunk_h_xla
 from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
+from gdp_jax.chunk_h_pallas import chunk_h_pallas
 from gdp_jax.cumsum import chunk_local_log2_cumsum
 from gdp_jax.segments import segment_runs
 from gdp_jax.wy import wy_xla
@@ -90,7 +91,14 @@ def xla_vjp(primals, cotangents, **kw):
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "num_householder"))
 def interpret_vjp(primals, cotangents, **kw):
-    return _vjp(functools.partial(chunk_h, implementation="interpret", **kw), primals, cotangents)
+    """The forward kernel's h and v_new, then the backward kernels, all interpreted; cotangents
+    in their primals' dtypes."""
+    k, w, u, g, runs, state0 = primals
+    h, v_new, _ = chunk_h_pallas(k, w, u, g, runs, state0, interpret=True, **kw)
+    grads = chunk_h_bwd_pallas(k, w, g, runs, h, v_new, *cotangents,
+                               with_initial_state=state0 is not None, interpret=True, **kw)
+    return tuple(None if x is None else x.astype(p.dtype)
+                 for x, p in zip(grads, (k, w, u, g, state0)))
 
 
 def check(got, want, primals, tol=TOL):
@@ -121,7 +129,7 @@ def _case_id(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_custom_vjp_interpret_matches_xla_vjp(case):
+def test_interpreted_kernels_match_xla_vjp(case):
     tokens, key_dim, value_dim, m, chunk_size, gated, segments, init = case
     primals, cotangents, kw = make_inputs(tokens + m, tokens=tokens, key_dim=key_dim,
                                           value_dim=value_dim, m=m, chunk_size=chunk_size,
@@ -172,27 +180,3 @@ def test_bf16_keys():
     got = interpret_vjp(primals, cotangents, **kw)
     assert got[0].dtype == jnp.bfloat16
     check(got, xla_vjp(primals, cotangents, **kw), primals, tol=1e-2)
-
-
-def test_backward_choice(monkeypatch):
-    # "pallas" runs the compiled backward kernel only once chunk_h_bwd_pallas.USE_ON_GPU is set (the
-    # jnp VJP until then); the kernel's residuals are the forward's h and v_new instead of u.
-    from gdp_jax import chunk_h as stage, chunk_h_bwd_pallas as module
-    assert module.USE_ON_GPU is False
-    assert stage.backward_implementation("xla") is None
-    assert stage.backward_implementation("interpret") == "interpret"
-    assert stage.backward_implementation("pallas") == "xla"
-    assert stage.backward_implementation("xla", "interpret") == "interpret"
-    monkeypatch.setattr(module, "USE_ON_GPU", True)
-    assert stage.backward_implementation("pallas") == "pallas"
-
-    primals, _, kw = make_inputs(1, tokens=20, key_dim=16, value_dim=32, m=1, chunk_size=16,
-                                 gated=False, segments=False, init=False)
-    k, w, u, g, runs, state0 = primals
-    h_shape = (2, 2, 2, 16, 32)
-    for backward, keeps_h in (("xla", False), ("pallas", True)):
-        config = (16, 1, "pallas", backward)
-        residuals = jax.eval_shape(lambda k, w, u: stage._chunk_h_fwd(k, w, u, g, runs, state0,
-                                                                      config)[1], k, w, u)
-        shapes = [x.shape for x in jax.tree_util.tree_leaves(residuals)]
-        assert (h_shape in shapes) == keeps_h, (backward, shapes)

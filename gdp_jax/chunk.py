@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from gdp_jax import _validation as val
 from gdp_jax._chunking import tile_width
 from gdp_jax.chunk_h import chunk_h_xla
+from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
 from gdp_jax.chunk_h_pallas import chunk_h_pallas
 from gdp_jax.chunk_o import chunk_o_from_runs
 from gdp_jax.cumsum import chunk_local_log2_cumsum
@@ -230,7 +231,6 @@ def _states_bwd(config, residuals, cotangents):
                                   + [(0, kp - key_dim), (0, vp - value_dim)])
     dv_new_p = jnp.pad(dv_new.astype(f32), ((0, 0), (0, padded_positions - positions), (0, 0),
                                             (0, vp - value_dim)))
-    from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
     dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
         k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh), dv_new_p, pad_state(dfinal),
         chunk_size=sub, num_householder=1, with_initial_state=initial_state is not None,

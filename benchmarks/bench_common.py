@@ -99,7 +99,12 @@ def time_torch(fn, sets, *, target_s, reps, max_iters):
     """Same as time_jax but with torch.cuda.Event around the loop; returns ms."""
     import torch
     ns = len(sets)
-    for s in sets:
+    t_first = time.perf_counter()
+    fn(*sets[0])
+    torch.cuda.synchronize()
+    # fla's kernels autotune on their first call: minutes for some backward configs, so say so.
+    log(f"    (torch first call {time.perf_counter() - t_first:.1f} s)")
+    for s in sets[1:]:
         fn(*s)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -8,7 +8,8 @@ On one shape (default B=8 T=4096 H=16 K=V=128 M=2, bf16, g given, chunk 64), tim
 bench_common.time_jax (2 rotated input sets), every function jitted:
   states_fwd / states_fwd_rule: stages 1-3 forward, plain and as the custom_vjp's forward rule
                  (which also keeps the state before every sub-chunk);
-  walk_bwd:      chunk_h_bwd_pallas on the sub-chunk grid (reverse-walk kernel + epilogue kernel);
+  walk_bwd:      chunk_h_bwd_pallas on the sub-chunk grid as the op calls it (reverse-walk kernel
+                 + epilogue kernel; h's cotangent at token-chunk boundaries);
   walk_kernel:   the reverse-walk kernel alone;
   wy_bwd_xla:    the WY stage's VJP as used (wy.wy_bwd_xla); wy_autodiff: jax.vjp of wy.wy_xla.
 Cotangents are small constants: only the times matter. Nothing is asserted.
@@ -71,12 +72,13 @@ def main():
     for k, v, g, beta in sets:
         k_p, v_p, beta_p, gamma, _, _, sub = _sub_grid_operands(k, v, beta, g, None, None, bt, M)
         _, _, _, (w, h_sub, v_new_p) = jax.jit(fwd_rule)(k, v, g, beta)
-        dh = jnp.full(h_sub.shape, 1e-3, f32)
+        per_chunk = bt * M // sub           # sub-chunks per token chunk: h's cotangent is per chunk
+        dh = jnp.full((B, h_sub.shape[1] // per_chunk) + h_sub.shape[2:], 1e-3, f32)
         dv_new = jnp.full(v_new_p.shape, 1e-3, f32)
         dfinal = jnp.zeros(h_sub.shape[:1] + h_sub.shape[2:], f32)
         stage_sets.append((k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal))
     walk = dict(chunk_size=sub, num_householder=1, with_initial_state=False,
-                interpret=args.interpret)
+                interpret=args.interpret, subchunks=per_chunk)
     timed("walk_bwd", lambda k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal:
           chunk_h_bwd_pallas(k_p, w, gamma, None, h_sub, v_new_p, dh, dv_new, dfinal, **walk),
           stage_sets)

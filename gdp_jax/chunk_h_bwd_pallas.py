@@ -1,6 +1,6 @@
 """Backward of stage 3 (the chunk-state walk): a Pallas kernel (Triton lowering) for the reverse
 walk, then a chunk-parallel Pallas epilogue kernel. Together they are the exact VJP of
-``chunk_h.chunk_h_xla``.
+``chunk_h.chunk_h_xla`` (and, with ``subchunks``, of chunk_h_pallas's sub-chunk walk).
 
 Forward, per batch row and head (see chunk_h.py). Chunk c has L = BT*M positions j (j = t*M + m for
 token t of the chunk, padded to a whole chunk), chunk-local log2 decays gamma_j = g[t(j)] (padding
@@ -184,12 +184,17 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     [B, H, Kp, Vp] or None), float32, padded (T to whole chunks, K and V to tile widths).
 
     ``subchunks`` > 1 mirrors chunk_h_pallas's: dh [B, NT / subchunks, H, K, V] is the cotangent
-    of the states stored before every ``subchunks``-th chunk (the others were not outputs)."""
+    of the states stored before every ``subchunks``-th chunk (the others were not outputs). The
+    stream must then already be padded to whole groups of ``subchunks`` chunks, as chunk.py pads
+    it with non-decaying g (edge padding here would decay the final state's cotangent)."""
     batch, positions, heads, key_dim = k.shape
     value_dim = dv_new.shape[-1]
     m = num_householder
     tokens = positions // m
-    num_chunks = -(-tokens // (chunk_size * subchunks)) * subchunks
+    if subchunks > 1 and tokens % (chunk_size * subchunks):
+        raise ValueError(f"chunk_h_bwd_walk: with subchunks={subchunks}, T = {tokens} must be a "
+                         f"multiple of chunk_size * subchunks = {chunk_size * subchunks}")
+    num_chunks = -(-tokens // chunk_size)
     pad_t = num_chunks * chunk_size - tokens
     t_pad = tokens + pad_t
     kp, vp = tile_width(key_dim), tile_width(value_dim)
@@ -319,13 +324,15 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     ``walk_kwargs`` (block_k, block_v, num_warps, num_stages) go to the reverse-walk kernel;
     the epilogue kernel runs one program per (head, chunk, batch row) with ``epilogue_warps``.
     ``subchunks`` > 1 (chunk_h_pallas's): dh [B, NT / subchunks, H, K, V] holds the cotangents of
-    the states stored before every ``subchunks``-th chunk; h, as a residual, is every chunk's.
+    the states stored before every ``subchunks``-th chunk, while h (the residual) holds all NT
+    chunks' states; T must then be a multiple of chunk_size * subchunks (chunk_h_bwd_walk). The
+    result is then the VJP of chunk_h_pallas(subchunks=...) rather than of chunk_h_xla.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v_new.shape[-1]
     m = num_householder
     tokens = positions // m
-    num_chunks = -(-tokens // (chunk_size * subchunks)) * subchunks
+    num_chunks = -(-tokens // chunk_size)
     pad_t = num_chunks * chunk_size - tokens
     t_pad = tokens + pad_t
     kp, vp = tile_width(key_dim), tile_width(value_dim)

@@ -1,8 +1,8 @@
 """The backward of stage 3 (chunk_h_bwd_pallas: reverse-walk and epilogue kernels) on CPU.
 
-The kernels run in Pallas' interpreter, from the forward kernel's residuals h and v_new (as
-chunk.py's custom_vjp calls them) and from chunk_h_xla's (split into key and value blocks),
-against jax.vjp of the jnp scan chunk_h_xla, on fresh random inputs and cotangents for
+The kernels run in Pallas' interpreter, from the forward kernel's residuals h and v_new and from
+chunk_h_xla's (split into key and value blocks; with h's cotangent only at every second chunk, as
+chunk.py's custom_vjp passes it through ``subchunks``), against jax.vjp of the jnp scan chunk_h_xla, on fresh random inputs and cotangents for
 every cotangent output. w and u come from the WY stage, so the walk is well conditioned. The full
 op's gradients under "interpret" are checked against float64 autodiff of the recurrence in
 test_chunk.py::test_gradients_against_recurrence.
@@ -169,6 +169,32 @@ def test_direct_call_split_into_key_and_value_blocks():
 
     got = direct(*primals, cotangents)
     check(got, xla_vjp(primals, cotangents, **kw), primals)
+
+
+def test_cotangent_of_h_at_every_second_chunk():
+    # subchunks=2, as chunk.py's backward calls it: dh is given only for the states stored before
+    # every second chunk, i.e. jax.vjp of chunk_h_xla with dh zero at the other chunks.
+    primals, cotangents, kw = make_inputs(13, tokens=64, key_dim=16, value_dim=32, m=2,
+                                          chunk_size=16, gated=True, segments=True, init=True)
+    k, w, u, g, runs, state0 = primals
+    dh, dv_new, dfinal = cotangents
+    dh_every_second = dh.at[:, 1::2].set(0.0)
+
+    @jax.jit
+    def direct(k, w, u, g, runs, state0, dh_stored, dv_new, dfinal):
+        h, v_new, _ = chunk_h_xla(k, w, u, g, runs, state0, **kw)
+        return chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh_stored, dv_new, dfinal,
+                                  with_initial_state=True, interpret=True, subchunks=2, **kw)
+
+    got = direct(*primals, dh[:, ::2], dv_new, dfinal)
+    check(got, xla_vjp(primals, (dh_every_second, dv_new, dfinal), **kw), primals)
+    # T must fill whole groups of chunks: padding here would decay the final state's cotangent.
+    with pytest.raises(ValueError, match="multiple of chunk_size"):
+        chunk_h_bwd_pallas(k[:, :48 * 2], w[:, :48 * 2], g[:, :48], runs[:, :48],
+                           *chunk_h_xla(k[:, :96], w[:, :96], u[:, :96], g[:, :48], runs[:, :48],
+                                        state0, **kw)[:2],
+                           dh[:, :3:2], dv_new[:, :96], dfinal, with_initial_state=True,
+                           interpret=True, subchunks=2, **kw)
 
 
 def test_bf16_keys():

@@ -107,7 +107,9 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     if implementation == "xla":
         h, v_new, final_state = _states_jnp(k, v, beta, g_log2, runs, initial_state, **stage)
     else:
-        h, v_new, final_state = _states(k, v, beta, g, runs, initial_state,
+        # g enters in float32, so its cotangent is rounded to g's dtype once (as on the xla path).
+        g32 = None if g is None else g.astype(jnp.float32)
+        h, v_new, final_state = _states(k, v, beta, g32, runs, initial_state,
                                         (chunk_size, m, implementation == "interpret"))
     # The output stage takes v_new in the inputs' dtype (as flash-linear-attention does) and h in
     # float32 (jnp path) or the inputs' dtype when they are 16-bit (Pallas path, as fla does: it
@@ -132,7 +134,7 @@ def _sub_grid_operands(k, v, beta, g, runs, initial_state, chunk_size: int, m: i
     whole token chunks (zero keys, values and betas; runs repeat the last token), K and V to tile
     widths. Returns (k_p, v_p, beta_p, gamma, runs_p, h0, sub) with gamma [B, P_pad, H] float32
     sub-chunk-local log2 decays (or None) and h0 [B, H, Kp, Vp] float32 (or None)."""
-    batch, positions, heads, key_dim = k.shape
+    positions, key_dim = k.shape[1], k.shape[3]
     value_dim = v.shape[-1]
     tokens = positions // m
     num_chunks = -(-tokens // chunk_size)
@@ -185,12 +187,13 @@ def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_h
         k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
         subchunks=1 if every_sub_chunk else per_chunk, h_dtype=work_dtype,
         v_new_dtype=v.dtype, interpret=interpret)
-    h_sub = h
+    saved = None
     if every_sub_chunk:
-        h = h_sub[:, ::per_chunk]
+        saved = (w, h, v_new)                     # h at every sub-chunk, v_new padded
+        h = h[:, ::per_chunk]
     outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
                final_state[..., :key_dim, :value_dim])
-    return outputs + ((w, h_sub, v_new),) if every_sub_chunk else outputs
+    return (outputs + (saved,)) if every_sub_chunk else outputs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -220,7 +223,7 @@ def _states_bwd(config, residuals, cotangents):
     k, v, beta, g, runs, initial_state, (w, h_sub, v_new_p) = residuals
     chunk_size, m, interpret = config
     dh, dv_new, dfinal = cotangents
-    batch, positions, heads, key_dim = k.shape
+    positions, key_dim = k.shape[1], k.shape[3]
     value_dim = v.shape[-1]
     k_p, v_p, beta_p, gamma, runs_p, _, sub = _sub_grid_operands(
         k, v, beta, g, runs, None, chunk_size, m)

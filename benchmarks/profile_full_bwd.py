@@ -84,7 +84,7 @@ def main():
           stage_sets)
     timed("walk_kernel", lambda k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal:
           chunk_h_bwd_walk(k_p, w, gamma, None, dh, dv_new, dfinal, **walk), stage_sets)
-    # w stands in for both cotangents' values (dw, du) of the WY stage.
+    # Stand-in cotangents of the WY stage: w as dw, v_p as du (only the time matters).
     timed("wy_bwd_xla", lambda k_p, v_p, beta_p, gamma, w, *_: wy_bwd_xla(
         k_p, v_p, beta_p, gamma, None, w, v_p, chunk_size=sub), stage_sets)
 

@@ -15,7 +15,8 @@ and the final state is the state out of the last chunk: the state after each row
 
 Gradients: ``chunk_h_xla`` is differentiated by plain autodiff (implementation="xla"). The GPU
 path's walk (chunk_h_pallas.py) gets its VJP from the kernels of chunk_h_bwd_pallas.py (whose
-docstring derives it), called by chunk.py's custom_vjp with the forward's h and v_new.
+docstring derives it), called by chunk.py's custom_vjp with the state before every sub-chunk and
+the padded v_new that its forward rule saves.
 """
 from __future__ import annotations
 

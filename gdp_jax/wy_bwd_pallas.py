@@ -72,7 +72,7 @@ The default is 8 warps for S = 64 (no spills, at some cost in occupancy) and 4 b
 accuracy; the CPU interpreter rejects it) spilled more than HIGHEST in every layout tried (blocks
 of 16: 255/3.8 KB at 4 and at 8 warps).
 
-Status: exact in the interpreter (tests/test_wy_bwd.py, which also has the GPU test), not yet run
+Status: exact in the interpreter (tests/test_wy_bwd_pallas.py, which also has the GPU test), not yet run
 on a GPU in this layout, and not yet used by the op: chunk.py's backward runs wy.wy_bwd_xla
 (9.2 ms on an H200 at B=8 T=4096 H=16 K=V=128 M=2 bf16) until this kernel is timed against it.
 An earlier layout (whole 64 x 64 tiles, spilling as above) took about 40 ms there.

@@ -106,6 +106,25 @@ def default_blocks(key_dim: int, value_dim: int, chunk_size: int) -> tuple[int, 
     return min(kp, 64), block_v, 8 if chunk_size >= 128 else 4
 
 
+def _decay_coefficients(g, segment, is_last):
+    """(a [BT], d) of one chunk for both backward kernels: a_j = [run_j == run_last]
+    2^(g_last - g_j) weighs position j's key in the carried state, d = [run_first == run_last]
+    2^g_last the state carried in. g [BT] chunk-local log2 decays or None; segment (run [BT],
+    run_first, run_last) or None; is_last [BT] marks the chunk's last position."""
+    if g is not None:
+        g_last = jnp.sum(jnp.where(is_last, g, 0.0))
+        coeff = jnp.exp2(g_last - g)
+        carry_in = jnp.exp2(g_last)
+    else:
+        coeff = jnp.ones(is_last.shape, jnp.float32)
+        carry_in = jnp.float32(1.0)
+    if segment is not None:
+        run, run_first, run_last = segment
+        coeff = jnp.where(run == run_last, coeff, 0.0)
+        carry_in = jnp.where(run_first == run_last, carry_in, 0.0)
+    return coeff, carry_in
+
+
 def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: int,
                         block_k: int, has_g: bool, has_segments: bool, has_initial_state: bool,
                         subchunks: int):
@@ -131,17 +150,9 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
             run_first = run_first_next
         for kb, x in zip(key_blocks, ds):
             dstate_ref[c, kb, :] = x
-        if has_g:
-            g = g_ref[rows]                                          # [BT] chunk-local log2 decays
-            g_last = jnp.sum(jnp.where(is_last, g, 0.0))
-            coeff = jnp.exp2(g_last - g)
-            carry_in = jnp.exp2(g_last)
-        else:
-            coeff = jnp.ones((chunk_size,), jnp.float32)
-            carry_in = jnp.float32(1.0)
-        if has_segments:
-            coeff = jnp.where(run == run_last, coeff, 0.0)           # a_j
-            carry_in = jnp.where(run_first == run_last, carry_in, 0.0)   # d_c
+        coeff, carry_in = _decay_coefficients(
+            g_ref[rows] if has_g else None,                         # [BT] chunk-local log2 decays
+            (run, run_first, run_last) if has_segments else None, is_last)
         acc = tuple(carry_in * x for x in ds)
         if dh_index is not None:                                     # h[c] is an output
             acc = tuple(dh_ref[dh_index, kb, :] + a for kb, a in zip(key_blocks, acc))
@@ -269,19 +280,12 @@ def _epilogue_kernel(*refs, num_householder: int, chunk_size: int, block_k: int,
     key_blocks = [pl.ds(s, block_k) for s in range(0, key_dim, block_k)]
     value_blocks = [pl.ds(s, block_v) for s in range(0, value_dim, block_v)]
     is_last = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
-    if has_g:
-        g = g_ref[...]
-        g_last = jnp.sum(jnp.where(is_last, g, 0.0))
-        coeff = jnp.exp2(g_last - g)                                       # a_j per token
-        carry_in = jnp.exp2(g_last)                                        # d_c
-    else:
-        coeff = jnp.ones((chunk_size,), f32)
-        carry_in = jnp.float32(1.0)
+    g = g_ref[...] if has_g else None
+    segment = None
     if has_segments:
         run = runs_ref[...]
-        run_first, run_last = jnp.min(run), jnp.max(run)                   # runs never decrease
-        coeff = jnp.where(run == run_last, coeff, 0.0)
-        carry_in = jnp.where(run_first == run_last, carry_in, 0.0)
+        segment = (run, jnp.min(run), jnp.max(run))                       # runs never decrease
+    coeff, carry_in = _decay_coefficients(g, segment, is_last)
 
     def one_copy(m, z_sum):
         z = jnp.zeros((chunk_size,), f32)

@@ -243,6 +243,8 @@ def main(argv=None):
 
             for name, fn in (("fla_fwd", fla_fwd), ("fla_fwdbwd_ng", fla_fwdbwd(False)),
                              ("fla_fwdbwd", fla_fwdbwd(True))):
+                if only and name not in only:
+                    continue
                 try:
                     ms, info = time_torch(fn, fla_sets, target_s=args.target_ms / 1e3, reps=args.reps,
                                           max_iters=args.max_iters)

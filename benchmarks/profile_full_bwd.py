@@ -11,7 +11,10 @@ bench_common.time_jax (2 rotated input sets), every function jitted:
   walk_bwd:      chunk_h_bwd_pallas on the sub-chunk grid as the op calls it (reverse-walk kernel
                  + epilogue kernel; h's cotangent at token-chunk boundaries);
   walk_kernel:   the reverse-walk kernel alone;
-  wy_bwd_xla:    the WY stage's VJP as used (wy.wy_bwd_xla); wy_autodiff: jax.vjp of wy.wy_xla.
+  wy_bwd_xla:    the WY stage's VJP in XLA (wy.wy_bwd_xla); wy_autodiff: jax.vjp of wy.wy_xla;
+  wy_bwd_pallas[...]: the Pallas WY VJP kernel (wy_bwd_pallas.py) at a few launch configs
+                 (warps, column block, dot precision); the op uses 4 warps, 64 columns, TF32 for
+                 16-bit inputs.
 Cotangents are small constants: only the times matter. Nothing is asserted.
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ def main():
     from gdp_jax.chunk import _states_pallas, _sub_grid_operands
     from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas, chunk_h_bwd_walk
     from gdp_jax.wy import wy_bwd_xla, wy_xla
+    from gdp_jax.wy_bwd_pallas import wy_bwd_pallas
 
     (shp,) = parse_shapes(args.shape, {})
     B, T, H, K, V, M = (shp[c] for c in "BTHKVM")
@@ -71,18 +75,18 @@ def main():
     stage_sets = []
     for k, v, g, beta in sets:
         k_p, v_p, beta_p, gamma, _, _, sub = _sub_grid_operands(k, v, beta, g, None, None, bt, M)
-        _, _, _, (w, h_sub, v_new_p) = jax.jit(fwd_rule)(k, v, g, beta)
+        _, _, _, (w, inverse, h_sub, v_new_p) = jax.jit(fwd_rule)(k, v, g, beta)
         per_chunk = bt * M // sub           # sub-chunks per token chunk: h's cotangent is per chunk
         dh = jnp.full((B, h_sub.shape[1] // per_chunk) + h_sub.shape[2:], 1e-3, f32)
         dv_new = jnp.full(v_new_p.shape, 1e-3, f32)
         dfinal = jnp.zeros(h_sub.shape[:1] + h_sub.shape[2:], f32)
-        stage_sets.append((k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal))
+        stage_sets.append((k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal, inverse))
     walk = dict(chunk_size=sub, num_householder=1, with_initial_state=False,
                 interpret=args.interpret, subchunks=per_chunk)
-    timed("walk_bwd", lambda k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal:
+    timed("walk_bwd", lambda k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal, _:
           chunk_h_bwd_pallas(k_p, w, gamma, None, h_sub, v_new_p, dh, dv_new, dfinal, **walk),
           stage_sets)
-    timed("walk_kernel", lambda k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal:
+    timed("walk_kernel", lambda k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal, _:
           chunk_h_bwd_walk(k_p, w, gamma, None, dh, dv_new, dfinal, **walk), stage_sets)
     # Stand-in cotangents of the WY stage: w as dw, v_p as du (only the time matters).
     timed("wy_bwd_xla", lambda k_p, v_p, beta_p, gamma, w, *_: wy_bwd_xla(
@@ -93,6 +97,15 @@ def main():
         _, vjp = jax.vjp(fn, k_p.astype(f32), v_p.astype(f32), beta_p.astype(f32), gamma)
         return vjp((w.astype(f32), v_p.astype(f32)))
     timed("wy_autodiff", wy_autodiff, stage_sets)
+
+    for warps, cols, prec in [(4, 64, "tf32"), (8, 64, "tf32"), (4, 32, "tf32"), (4, 128, "tf32"),
+                              (4, 64, "highest"), (8, 64, "highest"), (8, 32, "highest")]:
+        launch = dict(num_warps=warps, block_cols=cols,
+                      precision={"highest": jax.lax.Precision.HIGHEST, "tf32": None}[prec])
+        timed(f"wy_bwd_pallas[w{warps},c{cols},{prec}]",
+              lambda k_p, v_p, beta_p, gamma, w, *rest, launch=launch: wy_bwd_pallas(
+                  k_p, v_p, beta_p, gamma, None, rest[-1], w, v_p, sub_chunk=sub,
+                  interpret=args.interpret, **launch), stage_sets)
 
     dev = jax.devices()[0]
     meta = dict(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev)), shape=shp,

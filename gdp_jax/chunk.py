@@ -10,9 +10,10 @@ implementation="xla" runs stages 1-3 in jnp (exact gradients by plain autodiff).
 "interpret" run stages 2-3 as two Pallas kernels on a finer grid (wy_pallas.py: the WY system on
 sub-chunks of at most 64 positions of the expanded stream; chunk_h_pallas.py: the state walk over
 those sub-chunks, storing h at token-chunk boundaries), under one custom_vjp. Its forward rule
-also keeps the state before every sub-chunk; its backward runs the state walk's VJP kernels
-(chunk_h_bwd_pallas.py) on the same grid, then the WY stage's and the cumsum's in jnp
-(wy.wy_bwd_xla: batched matmuls). Both grids give the same h, v_new and final state: they are
+also keeps the state before every sub-chunk and the WY stage's inverses; its backward runs the
+state walk's VJP kernels (chunk_h_bwd_pallas.py) on the same grid, then the WY stage's VJP kernel
+(wy_bwd_pallas.py; wy.wy_bwd_xla for float32 inputs on the GPU), then the cumsum's VJP in jnp.
+Both grids give the same h, v_new and final state: they are
 SPEC's. Stage 4 runs the chosen implementation under its own custom_vjp. Segment ids become run
 numbers once (segments.py).
 """
@@ -33,6 +34,7 @@ from gdp_jax.chunk_o import chunk_o_from_runs
 from gdp_jax.cumsum import chunk_local_log2_cumsum
 from gdp_jax.segments import segment_runs
 from gdp_jax.wy import wy_bwd_xla, wy_xla
+from gdp_jax.wy_bwd_pallas import wy_bwd_pallas
 from gdp_jax.wy_pallas import expanded_log2_decays, sub_chunk_size, wy_pallas
 
 L2NORM_EPS = 1e-6
@@ -162,6 +164,12 @@ def _work_dtype(dtype):
     return dtype if jnp.dtype(dtype).itemsize == 2 else jnp.float32
 
 
+def _wy_bwd_kernel_used(dtype, interpret: bool) -> bool:
+    """Whether _states_bwd runs wy_bwd_pallas (which needs the forward's inverses): for 16-bit
+    inputs, and always in the interpreter; compiled float32 inputs take wy.wy_bwd_xla."""
+    return jnp.dtype(dtype).itemsize == 2 or interpret
+
+
 def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
                    interpret: bool, every_sub_chunk: bool = False):
     """Stages 1-3 on the sub-chunk grid with the Pallas kernels: (h, v_new, final_state).
@@ -170,9 +178,10 @@ def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_h
     otherwise; v_new always in v's dtype); final_state [B, H, K, V] float32.
 
     ``every_sub_chunk`` (the custom_vjp's forward) also returns what the backward needs:
-    (h, v_new, final_state, (w, h_sub, v_new_p)), with w [B, P_pad, H, Kp] and, on the padded
-    sub-chunk grid, the state before every sub-chunk h_sub [B, NS, H, Kp, Vp] and v_new_p
-    [B, P_pad, H, Vp]; h is then every ``chunk_size * M / sub``-th entry of h_sub.
+    (h, v_new, final_state, (w, inverse, h_sub, v_new_p)), with w [B, P_pad, H, Kp], the WY
+    stage's inverses [B, P_pad, H, sub] float32 (None where the backward does not use them) and,
+    on the padded sub-chunk grid, the state before every sub-chunk h_sub [B, NS, H, Kp, Vp] and
+    v_new_p [B, P_pad, H, Vp]; h is then every ``chunk_size * M / sub``-th entry of h_sub.
     """
     positions, key_dim = k.shape[1], k.shape[3]
     value_dim = v.shape[-1]
@@ -180,8 +189,10 @@ def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_h
     k_p, v_p, beta_p, gamma, runs_p, h0, sub = _sub_grid_operands(
         k, v, beta, g, runs, initial_state, chunk_size, m)
     work_dtype = _work_dtype(k.dtype)
-    w, u = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=work_dtype,
-                     interpret=interpret)
+    w, u, *inverse = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
+                               out_dtype=work_dtype, interpret=interpret,
+                               return_inverse=every_sub_chunk and _wy_bwd_kernel_used(k.dtype,
+                                                                                      interpret))
     per_chunk = chunk_size * m // sub
     h, v_new, final_state = chunk_h_pallas(
         k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
@@ -189,7 +200,7 @@ def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_h
         v_new_dtype=v.dtype, interpret=interpret)
     saved = None
     if every_sub_chunk:
-        saved = (w, h, v_new)                     # h at every sub-chunk, v_new padded
+        saved = (w, inverse[0] if inverse else None, h, v_new)   # h at every sub-chunk, v_new padded
         h = h[:, ::per_chunk]
     outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
                final_state[..., :key_dim, :value_dim])
@@ -217,10 +228,12 @@ def _states_bwd(config, residuals, cotangents):
     1. the state walk's VJP: chunk_h_bwd_pallas's kernels over the sub-chunks (from the forward's
        h at every sub-chunk and v_new, saved; h's cotangent enters at token-chunk boundaries)
        -> dk, dw, du, dgamma, dh0;
-    2. the WY stage's VJP (w, u -> k, v, beta, gamma), per sub-chunk, in jnp (wy.wy_bwd_xla);
+    2. the WY stage's VJP (w, u -> k, v, beta, gamma), per sub-chunk, with wy_bwd_pallas's
+       kernel from the forward's inverses for 16-bit inputs (TF32 tensor-core dots), in XLA
+       (wy.wy_bwd_xla) for float32 ones when compiled;
     3. the VJP of the expanded decays (gamma <- g, a cumsum) in jnp.
     """
-    k, v, beta, g, runs, initial_state, (w, h_sub, v_new_p) = residuals
+    k, v, beta, g, runs, initial_state, (w, inverse, h_sub, v_new_p) = residuals
     chunk_size, m, interpret = config
     dh, dv_new, dfinal = cotangents
     positions, key_dim = k.shape[1], k.shape[3]
@@ -239,8 +252,17 @@ def _states_bwd(config, residuals, cotangents):
         chunk_size=sub, num_householder=1, with_initial_state=initial_state is not None,
         interpret=interpret, subchunks=per_chunk)
 
-    # The WY stage's VJP per sub-chunk, written out in batched matmuls (wy.wy_bwd_xla).
-    wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)
+    # The WY stage's VJP per sub-chunk: the kernel with TF32 tensor-core dots for 16-bit inputs
+    # (their gradients carry bf16/fp16 rounding anyway; 1.7 ms on an H200 at B=8 T=4096 H=16
+    # K=V=128 M=2). Float32 inputs need IEEE float32 dots, which on 64 x 64 tiles are FMA loops
+    # that spill (23-110 ms there), so compiled they take wy.wy_bwd_xla (9.1 ms); the interpreter
+    # runs the kernel for every dtype, so CPU tests check its logic.
+    if inverse is not None:
+        precision = jax.lax.Precision.HIGHEST if jnp.dtype(k.dtype) == f32 else None
+        wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
+                                 precision=precision, interpret=interpret)
+    else:
+        wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)
     dk_p = dk_walk + wy_grads[0]
     dk = dk_p[:, :positions, :, :key_dim]
     dv = wy_grads[1][:, :positions, :, :value_dim]

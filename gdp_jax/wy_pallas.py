@@ -64,11 +64,13 @@ def expanded_log2_decays(g_raw, num_householder: int, positions_padded: int, sub
 
 
 def _wy_kernel(*refs, sub_chunk: int, has_g: bool, has_segments: bool, f32_inputs: bool,
-               half_apply: bool):
+               half_apply: bool, return_inverse: bool):
     k_ref, v_ref, beta_ref, *refs = refs
     gamma_ref = refs.pop(0) if has_g else None
     runs_ref = refs.pop(0) if has_segments else None
-    w_ref, u_ref = refs
+    w_ref, u_ref, *refs = refs
+    inverse_ref = refs.pop(0) if return_inverse else None
+    assert not refs
     f32 = jnp.float32
     nb = sub_chunk // _BLOCK
     gram_precision = _HIGHEST if f32_inputs else None
@@ -109,6 +111,11 @@ def _wy_kernel(*refs, sub_chunk: int, has_g: bool, has_segments: bool, f32_input
         for l in range(i - 1, -1, -1):
             acc = sum(hdot(a[i, j], t[j, l]) for j in range(l, i))
             t[i, l] = -hdot(t[i, i], acc)
+    if return_inverse:   # T for the backward (wy_bwd_pallas), zero above the diagonal blocks
+        for i in range(nb):
+            for l in range(nb):
+                block = t[i, l] if l <= i else jnp.zeros((_BLOCK, _BLOCK), jnp.float32)
+                inverse_ref[rows_of(i), rows_of(l)] = block.astype(inverse_ref.dtype)
 
     # Right-hand sides, block by block: beta v and beta live 2^gamma k.
     if has_segments:
@@ -139,8 +146,11 @@ def _wy_kernel(*refs, sub_chunk: int, has_g: bool, has_segments: bool, f32_input
 
 
 def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: bool = False,
-              num_warps: int = 2, num_stages: int = 1, half_apply: bool = True):
-    """(w [B, P, H, K], u [B, P, H, V]) in ``out_dtype``, per sub-chunk of ``sub_chunk`` positions.
+              num_warps: int = 2, num_stages: int = 1, half_apply: bool = True,
+              return_inverse: bool = False):
+    """(w [B, P, H, K], u [B, P, H, V]) in ``out_dtype``, per sub-chunk of ``sub_chunk`` positions;
+    with ``return_inverse`` also T = (I + A)^{-1} [B, P, H, S] float32 (row j: T[j, :] of its
+    sub-chunk, zero above the diagonal), which the backward (wy_bwd_pallas) reuses.
 
     k [B, P, H, K], v [B, P, H, V] (same dtype), beta [B, P, H]; gamma [B, P, H] float32 sub-chunk-
     local log2 decays (``expanded_log2_decays``) or None; runs [B, P] int32 run numbers per position or
@@ -172,14 +182,20 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     kernel = functools.partial(_wy_kernel, sub_chunk=sub_chunk, has_g=gamma is not None,
                                has_segments=runs is not None,
                                f32_inputs=jnp.dtype(k.dtype) == jnp.float32,
-                               half_apply=half_apply and jnp.dtype(k.dtype).itemsize == 2)
+                               half_apply=half_apply and jnp.dtype(k.dtype).itemsize == 2,
+                               return_inverse=return_inverse)
+    out_shape = [jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
+                 jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype)]
+    out_specs = [rows(key_dim), rows(value_dim)]
+    if return_inverse:
+        out_shape.append(jax.ShapeDtypeStruct((batch, positions, heads, sub_chunk), jnp.float32))
+        out_specs.append(rows(sub_chunk))
     call = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
-                   jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype)),
+        out_shape=tuple(out_shape),
         grid=grid,
         in_specs=in_specs,
-        out_specs=(rows(key_dim), rows(value_dim)),
+        out_specs=tuple(out_specs),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gdp_wy_fwd",

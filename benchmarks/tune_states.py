@@ -26,9 +26,12 @@ def main():
     p.add_argument("--wy-warps", default="2,4,8", help="comma-separated num_warps for the WY sweep")
     p.add_argument("--wy-only", action="store_true", help="skip the chunk_h sweep")
     p.add_argument("--half-apply", default="0,1", help="comma-separated half_apply values (0, 1)")
+    p.add_argument("--tf32-inverse", default="0", help="comma-separated tf32_inverse values (0, 1); "
+                   "with 1, w and u's relative error against the IEEE inverse is printed too")
     args = p.parse_args()
     wy_warps = [int(w) for w in args.wy_warps.split(",") if w]
     half_applies = [bool(int(x)) for x in args.half_apply.split(",") if x]
+    tf32_inverses = [bool(int(x)) for x in args.tf32_inverse.split(",") if x]
     import jax
     import jax.numpy as jnp
     from gdp_jax.chunk_h_pallas import chunk_h_pallas
@@ -64,10 +67,20 @@ def main():
 
     for warps in wy_warps:
         for half in half_applies:
-            cfg = dict(num_warps=warps, half_apply=half)
-            timed("wy", cfg, lambda k, v, b, g, cfg=cfg: wy_pallas(
-                k, v, b, g, None, sub_chunk=sub, out_dtype=jnp.bfloat16, interpret=args.interpret,
-                **cfg), sets)
+            for tf32 in tf32_inverses:
+                cfg = dict(num_warps=warps, half_apply=half, tf32_inverse=tf32)
+                timed("wy", cfg, lambda k, v, b, g, cfg=cfg: wy_pallas(
+                    k, v, b, g, None, sub_chunk=sub, out_dtype=jnp.bfloat16,
+                    interpret=args.interpret, **cfg), sets)
+    if True in tf32_inverses:   # accuracy of the TF32 inverse: w, u against the IEEE one's, set 0
+        run = lambda tf32: jax.jit(lambda k, v, b, g: wy_pallas(
+            k, v, b, g, None, sub_chunk=sub, out_dtype=jnp.float32, interpret=args.interpret,
+            tf32_inverse=tf32))(*sets[0])
+        rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
+        for name, x, y in zip("wu", run(True), run(False)):
+            log(f"tf32_inverse relative error of {name} (float32 out): {rel(x, y):.2e}")
+            rows.append(dict(stage="tf32_inverse_relerr", config=name, ms=float("nan"),
+                             error=f"{rel(x, y):.2e}"))
     wu = [jax.block_until_ready(jax.jit(lambda k, v, b, g: wy_pallas(
         k, v, b, g, None, sub_chunk=sub, out_dtype=jnp.bfloat16, interpret=args.interpret))(*s))
         for s in sets]

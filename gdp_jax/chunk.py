@@ -189,10 +189,12 @@ def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_h
     k_p, v_p, beta_p, gamma, runs_p, h0, sub = _sub_grid_operands(
         k, v, beta, g, runs, initial_state, chunk_size, m)
     work_dtype = _work_dtype(k.dtype)
+    keep_inverse = every_sub_chunk and _wy_bwd_kernel_used(k.dtype, interpret)
+    # 16-bit inputs: T's off-diagonal blocks from TF32 dots (it is rounded to 16 bits to be applied).
     w, u, *inverse = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
                                out_dtype=work_dtype, interpret=interpret,
-                               return_inverse=every_sub_chunk and _wy_bwd_kernel_used(k.dtype,
-                                                                                      interpret))
+                               tf32_inverse=work_dtype != jnp.float32,
+                               return_inverse=keep_inverse)
     per_chunk = chunk_size * m // sub
     h, v_new, final_state = chunk_h_pallas(
         k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,

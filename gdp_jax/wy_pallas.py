@@ -21,8 +21,12 @@ Inverse. (I + A)^{-1} is lower block-triangular over 16-row blocks. Each diagona
 forward substitution (row i of T = e_i - sum_{c<i} A[i, c] T[c, :], 15 steps on a 16 x 16 tile, exact
 in float32), and the blocks below the diagonal follow from T_il = -T_ii sum_{l<=j<i} A_ij T_jl. The
 inverse is never formed at more than 16 x 16 granularity: w and u are accumulated block row by block
-row as sum_l T_il rhs_l. Dots that build the inverse run in float32 ("highest" precision: IEEE on
-the GPU) because errors in T multiply every later value; the gram blocks k_i k_l^T run in the inputs'
+row as sum_l T_il rhs_l. For float32 inputs the dots that build the inverse run in IEEE float32
+("highest" precision) because errors in T multiply every later value; for 16-bit inputs the op
+asks for TF32 tensor-core dots there (``tf32_inverse``): T is rounded to 16 bits before it is
+applied anyway, and on an H200 (B=8 T=4096 H=16 K=V=128 M=2 bf16) the kernel went from 1.05 to
+0.84 ms while w and u moved by 1.5e-4 relative (float32 outputs), against bf16's 3.9e-3 rounding.
+The diagonal blocks' substitution is float32 either way. The gram blocks k_i k_l^T run in the inputs'
 dtype with float32 accumulation (exact products for bf16 and fp16, as the other kernels do). Applying
 T runs in float32 for float32 inputs; for 16-bit inputs (``half_apply``, the default) T and the
 right-hand sides are rounded to 16 bits for tensor-core dots with float32 accumulation, as fla does:
@@ -64,7 +68,7 @@ def expanded_log2_decays(g_raw, num_householder: int, positions_padded: int, sub
 
 
 def _wy_kernel(*refs, sub_chunk: int, has_g: bool, has_segments: bool, f32_inputs: bool,
-               half_apply: bool, return_inverse: bool):
+               half_apply: bool, return_inverse: bool, tf32_inverse: bool):
     k_ref, v_ref, beta_ref, *refs = refs
     gamma_ref = refs.pop(0) if has_g else None
     runs_ref = refs.pop(0) if has_segments else None
@@ -106,7 +110,7 @@ def _wy_kernel(*refs, sub_chunk: int, has_g: bool, has_segments: bool, f32_input
     eye = (r16 == c16).astype(f32)
     diag = jax.lax.fori_loop(1, _BLOCK, substitute, tuple(eye for _ in range(nb)))
     t = {(i, i): diag[i] for i in range(nb)}
-    hdot = functools.partial(plgpu.dot, precision=_HIGHEST)
+    hdot = functools.partial(plgpu.dot, precision=None if tf32_inverse else _HIGHEST)
     for i in range(1, nb):
         for l in range(i - 1, -1, -1):
             acc = sum(hdot(a[i, j], t[j, l]) for j in range(l, i))
@@ -147,7 +151,7 @@ def _wy_kernel(*refs, sub_chunk: int, has_g: bool, has_segments: bool, f32_input
 
 def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: bool = False,
               num_warps: int = 2, num_stages: int = 1, half_apply: bool = True,
-              return_inverse: bool = False):
+              return_inverse: bool = False, tf32_inverse: bool = False):
     """(w [B, P, H, K], u [B, P, H, V]) in ``out_dtype``, per sub-chunk of ``sub_chunk`` positions;
     with ``return_inverse`` also T = (I + A)^{-1} [B, P, H, S] float32 (row j: T[j, :] of its
     sub-chunk, zero above the diagonal), which the backward (wy_bwd_pallas) reuses.
@@ -157,7 +161,9 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     None. P must be a multiple of ``sub_chunk`` (a multiple of 16, at most 64) and K, V powers of two
     >= 16: the caller pads (zero keys, values and betas; padding positions change nothing).
     ``half_apply`` (16-bit inputs only) applies the inverse with 16-bit tensor-core dots, as fla does,
-    instead of float32 ones (w and u are stored in 16 bits anyway).
+    instead of float32 ones (w and u are stored in 16 bits anyway). ``tf32_inverse`` builds the
+    blocks of T below the diagonal with TF32 tensor-core dots instead of IEEE float32 (the op's
+    choice for 16-bit inputs; see the module docstring).
 
     Defaults measured on an H200 (benchmarks/tune_states.py, B=8 T=4096 H=16 K=V=128 M=2 bf16):
     2 warps with half_apply 1.07 ms; 4 warps 1.63 ms; float32 apply 2.66 ms (4 warps) to 4.75 ms
@@ -183,7 +189,7 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
                                has_segments=runs is not None,
                                f32_inputs=jnp.dtype(k.dtype) == jnp.float32,
                                half_apply=half_apply and jnp.dtype(k.dtype).itemsize == 2,
-                               return_inverse=return_inverse)
+                               return_inverse=return_inverse, tf32_inverse=tf32_inverse)
     out_shape = [jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype)]
     out_specs = [rows(key_dim), rows(value_dim)]

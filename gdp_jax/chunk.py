@@ -74,7 +74,8 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       chunk_size: power of two in [16, 128].
       implementation: "pallas", "xla", "interpret" or None, as for chunk_gdp_fwd_o: "xla" is jnp
         throughout; "pallas" (GPU) and "interpret" run the WY, state-walk and output stages as
-        Pallas kernels (the WY stage's backward is jnp).
+        Pallas kernels, forward and backward (compiled with float32 inputs, the WY stage's
+        backward is jnp: IEEE float32 dots in that kernel spill).
 
     Returns:
       (o, final_state): o [B, T, H, V] in v's dtype; final_state [B, H, K, V] float32, or None

@@ -13,8 +13,8 @@ bench_common.time_jax (2 rotated input sets), every function jitted:
   walk_kernel:   the reverse-walk kernel alone;
   wy_bwd_xla:    the WY stage's VJP in XLA (wy.wy_bwd_xla); wy_autodiff: jax.vjp of wy.wy_xla;
   wy_bwd_pallas[...]: the Pallas WY VJP kernel (wy_bwd_pallas.py) at a few launch configs
-                 (warps, column block, dot precision); the op uses 4 warps, 64 columns, TF32 for
-                 16-bit inputs.
+                 (warps, column block, stages), TF32 dots; the op uses 4 warps, 64 columns,
+                 1 stage for 16-bit inputs.
 Cotangents are small constants: only the times matter. Nothing is asserted.
 """
 from __future__ import annotations
@@ -98,11 +98,11 @@ def main():
         return vjp((w.astype(f32), v_p.astype(f32)))
     timed("wy_autodiff", wy_autodiff, stage_sets)
 
-    for warps, cols, prec in [(4, 64, "tf32"), (8, 64, "tf32"), (4, 32, "tf32"), (4, 128, "tf32"),
-                              (4, 64, "highest"), (8, 64, "highest"), (8, 32, "highest")]:
-        launch = dict(num_warps=warps, block_cols=cols,
-                      precision={"highest": jax.lax.Precision.HIGHEST, "tf32": None}[prec])
-        timed(f"wy_bwd_pallas[w{warps},c{cols},{prec}]",
+    # num_stages 2-3 software-pipeline the column loops' loads (cp.async in the sm_90a build,
+    # seen offline); "highest" (IEEE float32 dots) was 23-111 ms here, so it is not swept again.
+    for warps, cols, stages in [(4, 64, 1), (4, 32, 1), (4, 64, 2), (4, 32, 2), (4, 64, 3)]:
+        launch = dict(num_warps=warps, block_cols=cols, num_stages=stages, precision=None)
+        timed(f"wy_bwd_pallas[w{warps},c{cols},s{stages}]",
               lambda k_p, v_p, beta_p, gamma, w, *rest, launch=launch: wy_bwd_pallas(
                   k_p, v_p, beta_p, gamma, None, rest[-1], w, v_p, sub_chunk=sub,
                   interpret=args.interpret, **launch), stage_sets)

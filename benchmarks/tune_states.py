@@ -11,6 +11,7 @@ and prints one table. Nothing is asserted; a failing config prints its error and
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -26,6 +27,11 @@ def main():
     p.add_argument("--wy-warps", default="2,4,8", help="comma-separated num_warps for the WY sweep")
     p.add_argument("--wy-only", action="store_true", help="skip the chunk_h sweep")
     p.add_argument("--half-apply", default="0,1", help="comma-separated half_apply values (0, 1)")
+    p.add_argument("--walk-stages", default="1",
+                   help="comma-separated num_stages for the chunk_h sweep (2 and 3 software-pipeline "
+                        "the walk's loads: cp.async, seen in the sm_90a build offline)")
+    p.add_argument("--walk-blocks", default="16,32,64", help="comma-separated block_v for the chunk_h sweep")
+    p.add_argument("--walk-warps", default="2,4,8", help="comma-separated num_warps for the chunk_h sweep")
     p.add_argument("--tf32-inverse", default="0", help="comma-separated tf32_inverse values (0, 1); "
                    "with 1, w and u's relative error against the IEEE inverse is printed too")
     args = p.parse_args()
@@ -85,13 +91,15 @@ def main():
         k, v, b, g, None, sub_chunk=sub, out_dtype=jnp.bfloat16, interpret=args.interpret))(*s))
         for s in sets]
     h_sets = [(s[0], w, u, s[3]) for s, (w, u) in zip(sets, wu)]
-    for bv in () if args.wy_only else (16, 32, 64):
-        for warps in (2, 4, 8):
-            cfg = dict(block_v=bv, num_warps=warps)
-            timed("chunk_h", cfg, lambda k, w, u, g, cfg=cfg: chunk_h_pallas(
-                k, w, u, g, None, None, chunk_size=sub, num_householder=1, subchunks=bt * M // sub,
-                h_dtype=jnp.bfloat16, v_new_dtype=jnp.bfloat16, interpret=args.interpret, **cfg),
-                h_sets)
+    ints = lambda text: [int(x) for x in text.split(",") if x]
+    walk_configs = itertools.product(ints(args.walk_blocks), ints(args.walk_warps),
+                                     ints(args.walk_stages))
+    for bv, warps, stages in () if args.wy_only else walk_configs:
+        cfg = dict(block_v=bv, num_warps=warps, num_stages=stages)
+        timed("chunk_h", cfg, lambda k, w, u, g, cfg=cfg: chunk_h_pallas(
+            k, w, u, g, None, None, chunk_size=sub, num_householder=1, subchunks=bt * M // sub,
+            h_dtype=jnp.bfloat16, v_new_dtype=jnp.bfloat16, interpret=args.interpret, **cfg),
+            h_sets)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(dict(shape=shp, chunk=bt, rows=rows), fh, indent=1)

@@ -73,19 +73,26 @@ def check_scale(scale: Any, key_dim: int) -> float:
 
 
 def resolve_implementation(implementation: Optional[str]) -> str:
-    """None -> "pallas" on a GPU backend, "xla" elsewhere; validates explicit choices."""
+    """None -> "pallas" on a GPU backend, "xla" elsewhere; validates explicit choices ("pallas"
+    compiles Triton kernels, so it needs the GPU backend)."""
+    backend = jax.default_backend()
     if implementation is None:
-        import jax
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return "pallas" if backend == "gpu" else "xla"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}")
+    if implementation == "pallas" and backend != "gpu":
+        raise ValueError(f"implementation='pallas' compiles Triton kernels and needs the GPU backend; "
+                         f"the default backend is {backend!r}. Use 'interpret' (the same kernels in "
+                         f"Pallas' interpreter), 'xla' (jnp) or None (chosen by backend).")
     return implementation
 
 
 def infer_num_householder(num_householder: Any, q_tokens: int, k_positions: int) -> int:
     """M from k's expanded length T*M, checked against an explicit num_householder."""
+    if q_tokens == 0:
+        raise ValueError("q.shape[1] (T, tokens per row) must be at least 1; got 0")
     if num_householder is None:
-        if q_tokens == 0 or k_positions % q_tokens:
+        if k_positions % q_tokens:
             raise ValueError(f"k.shape[1] must be a multiple T*M of q.shape[1] = T = {q_tokens}; "
                              f"got k.shape[1] = {k_positions}")
         num_householder = k_positions // q_tokens

@@ -423,6 +423,20 @@ def test_bad_input(overrides, error, pattern):
         _bad_call(**overrides)
 
 
+def test_empty_rows_are_refused():
+    with pytest.raises(ValueError, match=r"^q.shape\[1\] \(T, tokens per row\) must be at least 1"):
+        gdp_jax.chunk_gated_delta_product(np.zeros((2, 0, 2, 16), np.float32),
+                                          np.zeros((2, 0, 2, 16), np.float32),
+                                          np.zeros((2, 0, 2, 8), np.float32), None,
+                                          np.zeros((2, 0, 2), np.float32))
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="'pallas' is valid on a GPU")
+def test_pallas_without_gpu_is_refused():
+    with pytest.raises(ValueError, match=r"^implementation='pallas' .* needs the GPU backend"):
+        _bad_call(implementation="pallas")
+
+
 @pytest.mark.parametrize("overrides, error, pattern", [
     (dict(k_t=np.zeros((2, 2, 2, 8), np.float32)), ValueError, r"k_t must have shape .*\(2, 2, 2, 16\)"),
     (dict(beta_t=np.ones((2, 3, 2), np.float32)), ValueError,

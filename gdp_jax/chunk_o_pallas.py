@@ -64,7 +64,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
     each operand only after the previous dot has completed (Triton IR compiled offline for sm_90a:
     plain ld.global, a wgmma wait between each load group and the next), so a program never
     overlaps its own loads with its dots and 2 programs per SM (255 registers at M = 2) keep few
-    bytes in flight. See benchmarks/CHUNK_O_CODEGEN.md.
+    bytes in flight. See benchmarks/CODEGEN.md.
     """
     small = key_dim <= 64 and value_dim <= 64
     if block_v is None:

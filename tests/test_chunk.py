@@ -431,12 +431,6 @@ def test_empty_rows_are_refused():
                                           np.zeros((2, 0, 2), np.float32))
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="'pallas' is valid on a GPU")
-def test_pallas_without_gpu_is_refused():
-    with pytest.raises(ValueError, match=r"^implementation='pallas' .* needs the GPU backend"):
-        _bad_call(implementation="pallas")
-
-
 @pytest.mark.parametrize("overrides, error, pattern", [
     (dict(k_t=np.zeros((2, 2, 2, 8), np.float32)), ValueError, r"k_t must have shape .*\(2, 2, 2, 16\)"),
     (dict(beta_t=np.ones((2, 3, 2), np.float32)), ValueError,

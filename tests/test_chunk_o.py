@@ -433,13 +433,6 @@ def test_bad_input_is_refused(overrides, error, pattern):
         _call(**overrides)
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="'pallas' is valid on a GPU")
-def test_pallas_without_gpu_is_refused():
-    # Pallas' own error ("Only interpret mode is supported on CPU backend") names no argument.
-    with pytest.raises(ValueError, match=r"^implementation='pallas'.*'interpret'"):
-        _call(implementation="pallas")
-
-
 # ----------------------------------------------------------------------------------------------
 # Property test: random shapes and packings, xla path against the float64 recurrence.
 

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""What our Pallas kernels compile to for an H200 (sm_90a), without a GPU.
+
+    PYTHONPATH=. python benchmarks/codegen.py --triton /path/to/site-packages --out /tmp/cg
+    PYTHONPATH=. python benchmarks/codegen.py --triton DIR --out /tmp/cg --case full
+
+1. Lowers through JAX's Pallas Triton lowering on CPU (``lowering_platforms=("cuda",)``; no GPU
+   needed) and keeps the Triton IR of every pallas_call:
+   ``--case chunk_o`` (default): the chunk_o forward kernel at issue 4's shapes and at the launch
+   variants in VARIANTS; ``--case full``: every kernel of jax.grad of the full op
+   (chunk_gated_delta_product, implementation="pallas") at B=8 T=4096 H=16 K=V=128 M=2, launch
+   parameters as the op picks them;
+2. compiles that IR with a separately installed Triton (``--triton``: a directory holding the
+   ``triton`` package, e.g. ``pip install --target DIR triton``) for sm_90a, and runs that Triton's
+   bundled ptxas -v on the PTX (registers, spills, the C7512 "wgmma serialized" warning);
+3. counts, in the SASS (cuobjdump), global loads (LDG), async copies (LDGSTS, TMA's UTMALDG),
+   tensor-core ops (HGMMA, HMMA), local-memory spill traffic (LDL/STL), and prints the order in
+   which load groups and tensor-core groups come.
+
+Caveat: this is the local jax's lowering plus the separate Triton's compiler, not necessarily the
+pipeline jaxlib runs on the GPU machine (jax 0.11.2 with its own Triton); treat the numbers as
+evidence of what the kernels ask for, not as the GPU's exact binaries. Nothing is timed here.
+Results for 2026-11-30 are in CODEGEN.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
+    "M1": (8, 4096, 16, 128, 128, 1, {}),
+    "M2": (8, 4096, 16, 128, 128, 2, {}),
+    "M3": (8, 4096, 16, 128, 128, 3, {}),
+    "K64": (4, 8192, 32, 64, 64, 2, {}),
+    "K256": (2, 16384, 16, 256, 256, 2, {}),
+    "M2_early": (8, 4096, 16, 128, 128, 2, dict(early_loads=True)),
+    "M2_early_w8": (8, 4096, 16, 128, 128, 2, dict(early_loads=True, num_warps=8)),
+    "M2_w8": (8, 4096, 16, 128, 128, 2, dict(num_warps=8)),
+    "M3_early_w8": (8, 4096, 16, 128, 128, 3, dict(early_loads=True, num_warps=8)),
+}
+
+
+class _Capture:
+    """Context manager: the Triton IR (text), kernel name and launch parameters of every
+    pallas_call lowered inside it."""
+
+    def __enter__(self):
+        from jax._src.pallas.triton import lowering, pallas_call_registration
+
+        self.kernels, self._registration = [], pallas_call_registration
+        self._original = original = lowering.lower_jaxpr_to_triton_module
+
+        def keep(*args, **kwargs):
+            result = original(*args, **kwargs)
+            caller = sys._getframe(1).f_locals         # the pallas_call lowering rule's locals
+            module = result.module.operation
+            self.kernels.append(dict(
+                ir=module.get_asm(), name=str(module.attributes["sym_name"]).strip('"'),
+                num_warps=caller.get("num_warps"), num_stages=caller.get("num_stages")))
+            return result
+
+        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = keep
+        return self
+
+    def __exit__(self, *exc):
+        self._registration.lowering.lower_jaxpr_to_triton_module = self._original
+
+
+def _lower(fn, args):
+    import jax
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def capture_chunk_o(names, out_dir):
+    """Each chunk_o forward variant: {name: info} with its IR written to out_dir/name.ttir."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
+
+    meta = {}
+    for name in names:
+        batch, tokens, heads, key_dim, value_dim, m, overrides = VARIANTS[name]
+        bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
+        args = (sds((batch, tokens, heads, key_dim), bf16), sds((batch, tokens * m, heads, key_dim), bf16),
+                sds((batch, tokens * m, heads, value_dim), bf16),
+                sds((batch, tokens // 64, heads, key_dim, value_dim), bf16),
+                sds((batch, tokens, heads), jnp.float32))
+        config = kernel_config(key_dim, value_dim, 64, m, **overrides)
+        with _Capture() as cap:
+            _lower(lambda q, k, v, h, g, config=config, m=m, key_dim=key_dim: chunk_o_pallas(
+                q, k, v, h, g, None, scale=key_dim ** -0.5, chunk_size=64, num_householder=m,
+                config=config), args)
+        (kernel,) = cap.kernels
+        with open(os.path.join(out_dir, f"{name}.ttir"), "w") as fh:
+            fh.write(kernel["ir"])
+        meta[name] = dict(config=str(config), num_warps=config.num_warps,
+                          num_stages=config.num_stages)
+    return meta
+
+
+def capture_full_op(out_dir):
+    """Every kernel of the full op's forward and backward (bf16, B=8 T=4096 H=16 K=V=128 M=2)."""
+    import jax
+    import jax.numpy as jnp
+
+    import gdp_jax
+
+    B, T, H, K, V, M = 8, 4096, 16, 128, 128, 2
+    bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
+    args = (sds((B, T, H, K), bf16), sds((B, T * M, H, K), bf16), sds((B, T * M, H, V), bf16),
+            sds((B, T, H), jnp.float32), sds((B, T * M, H), bf16))
+
+    def loss(q, k, v, g, beta):
+        o, _ = gdp_jax.chunk_gated_delta_product(q, k, v, g, beta, num_householder=M,
+                                                 implementation="pallas")
+        return o.astype(jnp.float32).sum()
+
+    with _Capture() as cap:
+        _lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), args)
+    meta = {}
+    for kernel in cap.kernels:
+        name = kernel["name"]
+        if name in meta:
+            continue
+        with open(os.path.join(out_dir, f"{name}.ttir"), "w") as fh:
+            fh.write(kernel["ir"])
+        meta[name] = dict(num_warps=int(kernel["num_warps"]), num_stages=int(kernel["num_stages"]))
+    return meta
+
+
+def compile_and_count(name, info, out_dir, triton_dir):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    kernel = triton.compile(os.path.join(out_dir, f"{name}.ttir"), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=info["num_warps"], num_stages=info["num_stages"]))
+    ptx = os.path.join(out_dir, f"{name}.ptx")
+    with open(ptx, "w") as fh:
+        fh.write(kernel.asm["ptx"])
+    bin_dir = os.path.join(triton_dir, "triton", "backends", "nvidia", "bin")
+    ptxas = next(os.path.join(bin_dir, p) for p in ("ptxas-blackwell", "ptxas")
+                 if os.path.exists(os.path.join(bin_dir, p)))
+    cubin = os.path.join(out_dir, f"{name}.cubin")
+    report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                            capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin],
+                          capture_output=True, text=True).stdout
+    ops = re.findall(r"\b(LDGSTS|UTMALDG|LDG|HGMMA|HMMA|LDL|STL)\b", sass)
+    order, last = [], None
+    for op in ops:
+        if op == last:
+            order[-1][1] += 1
+        else:
+            order.append([op, 1])
+            last = op
+    info.update(shared_bytes=kernel.metadata.shared, registers=int(regs.group(1)) if regs else None,
+                spill_store_bytes=int(spills.group(1)) if spills else None,
+                wgmma_serialized="C7512" in report,
+                counts={op: ops.count(op) for op in ("LDG", "LDGSTS", "UTMALDG", "HGMMA", "HMMA",
+                                                     "LDL", "STL")},
+                order=" ".join(f"{op}x{n}" for op, n in order))
+    return info
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--triton", required=True, help="directory holding a Triton package with ptxas")
+    p.add_argument("--out", required=True)
+    p.add_argument("--case", default="chunk_o", choices=["chunk_o", "full"])
+    p.add_argument("--variants", default=",".join(VARIANTS), help="chunk_o variants (--case chunk_o)")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.case == "chunk_o":
+        meta = capture_chunk_o(args.variants.split(","), args.out)
+    else:
+        meta = capture_full_op(args.out)
+    sys.path.insert(0, args.triton)
+    rows = {name: compile_and_count(name, info, args.out, args.triton) for name, info in meta.items()}
+    with open(os.path.join(args.out, "codegen.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    print(f"{'kernel':24} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} {'smem B':>7} "
+          f"{'C7512':>5}  order")
+    for name, r in rows.items():
+        print(f"{name:24} {r['num_warps']:5d} {r['num_stages']:6d} {r['registers'] or -1:5d} {r['spill_store_bytes'] or 0:7d} "
+              f"{r['shared_bytes']:7d} {'yes' if r['wgmma_serialized'] else 'no':>5}  {r['order']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -110,7 +110,8 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
 
 def wy_bwd_xla(k, v, beta, g, runs, dw, du, *, chunk_size: int):
     """The VJP of ``wy_xla(k, v, beta, g, runs, chunk_size=chunk_size, num_householder=1)`` written
-    out (the GPU path's WY backward on its sub-chunk grid): (dk, dv, dbeta, dg or None), float32.
+    out (the GPU path's WY backward on its sub-chunk grid for compiled float32 inputs; 16-bit ones
+    use wy_bwd_pallas): (dk, dv, dbeta, dg or None), float32.
 
     With R_w = beta live 2^g k, R_u = beta v, T = (I + A)^{-1} and cotangents dw, du of w = T R_w,
     u = T R_u (d 2^x = ln2 2^x dx; the mask keeps A's structural zeros constant):

@@ -1,4 +1,4 @@
-"""wy.wy_bwd_xla (the GPU path's WY backward, written out) against autodiff of wy.wy_xla, on the
+"""wy.wy_bwd_xla (the GPU path's WY backward for compiled float32 inputs, written out) against autodiff of wy.wy_xla, on the
 sub-chunk grid it serves (M = 1), for every cotangent, on fresh random inputs."""
 import jax
 import jax.numpy as jnp

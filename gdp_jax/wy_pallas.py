@@ -110,11 +110,12 @@ def _wy_kernel(*refs, sub_chunk: int, has_g: bool, has_segments: bool, f32_input
     eye = (r16 == c16).astype(f32)
     diag = jax.lax.fori_loop(1, _BLOCK, substitute, tuple(eye for _ in range(nb)))
     t = {(i, i): diag[i] for i in range(nb)}
-    hdot = functools.partial(plgpu.dot, precision=None if tf32_inverse else _HIGHEST)
+    hdot = functools.partial(plgpu.dot, precision=_HIGHEST)
+    inverse_dot = functools.partial(plgpu.dot, precision=None) if tf32_inverse else hdot
     for i in range(1, nb):
         for l in range(i - 1, -1, -1):
-            acc = sum(hdot(a[i, j], t[j, l]) for j in range(l, i))
-            t[i, l] = -hdot(t[i, i], acc)
+            acc = sum(inverse_dot(a[i, j], t[j, l]) for j in range(l, i))
+            t[i, l] = -inverse_dot(t[i, i], acc)
     if return_inverse:   # T for the backward (wy_bwd_pallas), zero above the diagonal blocks
         for i in range(nb):
             for l in range(nb):

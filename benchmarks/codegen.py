@@ -7,7 +7,8 @@
 1. Lowers through JAX's Pallas Triton lowering on CPU (``lowering_platforms=("cuda",)``; no GPU
    needed) and keeps the Triton IR of every pallas_call:
    ``--case chunk_o`` (default): the chunk_o forward kernel at issue 4's shapes and at the launch
-   variants in VARIANTS; ``--case full``: every kernel of jax.grad of the full op
+   variants in VARIANTS; ``--case chunk_o_bwd``: its backward at the launch variants in
+   BWD_VARIANTS (B=8 T=4096 H=16 K=V=128 M=2); ``--case full``: every kernel of jax.grad of the full op
    (chunk_gated_delta_product, implementation="pallas") at B=8 T=4096 H=16 K=V=128 M=2, launch
    parameters as the op picks them;
 2. compiles that IR with a separately installed Triton (``--triton``: a directory holding the
@@ -133,6 +134,44 @@ def capture_full_op(out_dir):
     return meta
 
 
+BWD_VARIANTS = {   # chunk_o backward at B=8 T=4096 H=16 K=V=128 M=2: BwdKernelConfig overrides
+    "bwd_default": {},
+    "bwd_w8": dict(num_warps=8),
+    "bwd_s2": dict(num_stages=2),
+    "bwd_dkv_m": dict(roles="dh|dq|dkv/m"),
+    "bwd_dkv_m_s2": dict(roles="dh|dq|dkv/m", num_stages=2),
+}
+
+
+def capture_chunk_o_bwd(out_dir):
+    """The chunk_o backward kernel (issue 3) at its default config and the BWD_VARIANTS."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from gdp_jax.chunk_o_bwd_pallas import bwd_kernel_config, chunk_o_bwd_pallas
+
+    B, T, H, K, V, M = 8, 4096, 16, 128, 128, 2
+    bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
+    args = (sds((B, T, H, K), bf16), sds((B, T * M, H, K), bf16), sds((B, T * M, H, V), bf16),
+            sds((B, T // 64, H, K, V), bf16), sds((B, T, H), jnp.float32), sds((B, T, H, V), bf16))
+    meta = {}
+    for name, overrides in BWD_VARIANTS.items():
+        config = dataclasses.replace(bwd_kernel_config(K, V, 64, M, 2), **overrides)
+        with _Capture() as cap:
+            _lower(lambda q, k, v, h, g, do, config=config: chunk_o_bwd_pallas(
+                q, k, v, h, g, None, do, scale=K ** -0.5, chunk_size=64, num_householder=M,
+                config=config), args)
+        for i, kernel in enumerate(cap.kernels):
+            tag = name if len(cap.kernels) == 1 else f"{name}_{i}"
+            with open(os.path.join(out_dir, f"{tag}.ttir"), "w") as fh:
+                fh.write(kernel["ir"])
+            meta[tag] = dict(config=str(config), num_warps=int(kernel["num_warps"]),
+                             num_stages=int(kernel["num_stages"]))
+    return meta
+
+
 def compile_and_count(name, info, out_dir, triton_dir):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -173,12 +212,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--triton", required=True, help="directory holding a Triton package with ptxas")
     p.add_argument("--out", required=True)
-    p.add_argument("--case", default="chunk_o", choices=["chunk_o", "full"])
+    p.add_argument("--case", default="chunk_o", choices=["chunk_o", "chunk_o_bwd", "full"])
     p.add_argument("--variants", default=",".join(VARIANTS), help="chunk_o variants (--case chunk_o)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.case == "chunk_o":
         meta = capture_chunk_o(args.variants.split(","), args.out)
+    elif args.case == "chunk_o_bwd":
+        meta = capture_chunk_o_bwd(args.out)
     else:
         meta = capture_full_op(args.out)
     sys.path.insert(0, args.triton)

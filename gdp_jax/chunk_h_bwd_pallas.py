@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +81,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._chunking import tile_width
+from gdp_jax._triton_warning import triton_backend_warning_filtered
 from gdp_jax.chunk_h_pallas import decay_and_run_operands, stream_layout
 
 _LN2 = math.log(2.0)
@@ -256,9 +256,7 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
         interpret=interpret,
         name="gdp_chunk_h_bwd",
     )
-    with warnings.catch_warnings():
-        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend this kernel targets.
-        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+    with triton_backend_warning_filtered():
         outs = call(*operands)
     dvt, dstate = outs[0], outs[1]
     dinit = outs[2] if with_initial_state else None
@@ -381,9 +379,7 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
         interpret=interpret,
         name="gdp_chunk_h_bwd_epilogue",
     )
-    with warnings.catch_warnings():
-        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend this kernel targets.
-        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+    with triton_backend_warning_filtered():
         outs = call(*operands)
     flat = lambda x, width: x.reshape(batch, t_pad * m, heads, x.shape[-1])[:, :positions, :, :width]
     dk, dw = flat(outs[0], key_dim), flat(outs[1], key_dim)

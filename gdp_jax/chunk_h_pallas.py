@@ -16,7 +16,6 @@ both grids). The full op's GPU path (chunk.py) runs it on the sub-chunk grid (``
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._chunking import tile_width
+from gdp_jax._triton_warning import triton_backend_warning_filtered
 
 def stream_layout(x, padded_width: int, pad_tokens: int, num_householder: int):
     """[B, T*M, H, X] -> [B, T + pad_tokens, M, H, padded_width]: zero rows past T and zero columns
@@ -169,9 +169,7 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
         interpret=interpret,
         name="gdp_chunk_h_fwd",
     )
-    with warnings.catch_warnings():
-        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend this kernel targets.
-        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+    with triton_backend_warning_filtered():
         h, v_new, final_state = call(*operands)
     v_new = v_new.reshape(batch, t_pad * m, heads, vp)[:, :positions, :, :value_dim]
     return h[..., :key_dim, :value_dim], v_new, final_state[..., :key_dim, :value_dim]

@@ -91,7 +91,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from typing import Optional
 
 import jax
@@ -99,6 +98,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gdp_jax._triton_warning import triton_backend_warning_filtered
 from gdp_jax.chunk_o_bwd_pallas_split import chunk_o_bwd_split
 from gdp_jax.chunk_o_pallas import _PAD_RUN, _load_rows
 
@@ -355,10 +355,7 @@ def chunk_o_bwd_pallas(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
         interpret=interpret,
         name="gdp_chunk_o_bwd",
     )
-    with warnings.catch_warnings():
-        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend this kernel targets.
-        # Filtered here only, around our own call (see README, "Warnings").
-        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+    with triton_backend_warning_filtered():
         outs = call(*operands)
     dq, dk, dv, dh = outs[:4]
     dg = outs[4] if g is not None else None

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from typing import NamedTuple, Optional
 
 import jax
@@ -66,6 +65,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gdp_jax._triton_warning import triton_backend_warning_filtered
 from gdp_jax.chunk_o_pallas import _PAD_RUN, _load_rows
 
 _LN2 = math.log(2.0)
@@ -410,9 +410,7 @@ def chunk_o_bwd_split(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int,
     common = dict(scale=scale, chunk_size=chunk_size, num_householder=m, block_k=block_k,
                   block_v=block_v, dh_block_k=dh_block_k, dh_block_v=dh_block_v,
                   num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    with warnings.catch_warnings():
-        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend these kernels target.
-        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+    with triton_backend_warning_filtered():
         if variant == "roles":
             if tasks != set(TASKS):
                 raise ValueError(f"variant 'roles' needs roles over all of {TASKS}; got {roles!r}")

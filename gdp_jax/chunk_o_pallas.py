@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from gdp_jax._triton_warning import triton_backend_warning_filtered
 
 # Padding rows of the last partial chunk load this run number, which never equals a real one.
 _PAD_RUN = jnp.iinfo(jnp.int32).max
@@ -228,8 +229,5 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
         interpret=interpret,
         name="gdp_chunk_o_fwd",
     )
-    with warnings.catch_warnings():
-        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend this kernel targets.
-        # Filtered here only, around our own call (see README, "Warnings").
-        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+    with triton_backend_warning_filtered():
         return call(*operands)

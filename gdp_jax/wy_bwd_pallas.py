@@ -58,12 +58,13 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from gdp_jax._triton_warning import triton_backend_warning_filtered
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _LN2 = math.log(2.0)
@@ -209,9 +210,7 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
         interpret=interpret,
         name="gdp_wy_bwd",
     )
-    with warnings.catch_warnings():
-        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend this kernel targets.
-        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+    with triton_backend_warning_filtered():
         outs = call(*operands)
     dk, dv, dbeta = outs[:3]
     return dk, dv, dbeta, (outs[3] if gamma is not None else None)

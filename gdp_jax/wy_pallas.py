@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from gdp_jax._triton_warning import triton_backend_warning_filtered
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
@@ -207,7 +208,5 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
         interpret=interpret,
         name="gdp_wy_fwd",
     )
-    with warnings.catch_warnings():
-        # jax >= 0.11 flags the Triton backend as deprecated; it is the backend this kernel targets.
-        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*", category=DeprecationWarning)
+    with triton_backend_warning_filtered():
         return call(*operands)

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gdp_jax._chunking import tile_width
 from gdp_jax._triton_warning import triton_backend_warning_filtered
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -143,10 +144,6 @@ def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segm
         dgamma_ref[...] = _LN2 * (beta * k_dot_p1 - k_dot_p2 + scale_w * k_dot_drw)
 
 
-def _is_tile_width(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
-
-
 def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
                   interpret: bool = False, num_warps: int = 4, num_stages: int = 1,
                   block_cols: int = 64, precision=_HIGHEST):
@@ -170,7 +167,7 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
         raise ValueError(f"wy_bwd_pallas: sub_chunk must be 16, 32 or 64 and divide P = {positions}; "
                          f"got {sub_chunk}")
     widths = dict(K=key_dim, V=value_dim, block_cols=block_cols)
-    if not all(_is_tile_width(n) for n in widths.values()):
+    if any(tile_width(n) != n for n in widths.values()):   # powers of two >= 16
         raise ValueError(f"wy_bwd_pallas: {widths} must all be powers of two >= 16")
     if v.dtype != k.dtype or dw.shape != k.shape or du.shape != v.shape:
         raise ValueError("wy_bwd_pallas: k and v must share a dtype, dw match k's shape, du v's")

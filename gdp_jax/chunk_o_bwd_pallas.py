@@ -143,24 +143,31 @@ def bwd_kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_househo
 
     Block sizes and the fused kernel's launch were not measured on a GPU: they come from compiling
     the kernel's Triton IR offline (pip triton 3.9, sm_90): blocks of at most 128 columns (64 values
-    when K = 256; 64 of each for float32 at chunk size 128) keep shared memory within an H200's 227 KiB, e.g. 48 KiB for bf16 K = V = 128 and
-    160 KiB for float32 K = V = 256 at chunk 64. float32 at chunk 128 with K = 256 still needs
-    ~288 KiB (the forward ~256 KiB there). 8 warps at chunk >= 64: at 4 warps the register spills
-    roughly quadruple (the forward, lighter, measured 4 faster). The copy loop is not pipelined.
+    when K = 256; 64 of each for float32 at chunk size 128) keep shared memory within an H200's
+    227 KiB, e.g. 48 KiB for bf16 K = V = 128 and 160 KiB for float32 K = V = 256 at chunk 64.
+    float32 at chunk 128 with K = 256 still needs ~288 KiB (the forward ~256 KiB there). The
+    untimed "fused" cases use 8 warps at chunk >= 64: at 4 warps its register spills roughly
+    quadruple at K = V = 128 (offline). The copy loop is not pipelined.
 
-    Variant, measured on an H200 (benchmarks/tune_chunk_o_bwd.py, bf16, chunk 64, B=8 T=4096 H=16
-    K=V=128 M=2; RESULTS.md): "roles" with roles "dh|dq|dkv" at 4 warps, 1 stage 0.916 ms, against
-    1.445 ms for "fused" at 8 warps (the former default), 0.96-0.98 ms for "dh|dq|dkv/m" and
-    1.02-1.06 ms for "split". It is the default for 16-bit inputs with K, V <= 128 at chunk <= 64:
-    the same tiles as the measured case (M only changes a loop count). Its cotangents matched the jnp
-    VJP on the GPU there (3.0e-3, as "fused"). Everything else (float32, K or V = 256, chunk 128)
-    keeps "fused": not yet timed, and "roles" spills heavily at K = V = 256.
+    Variant, measured on an H200 (benchmarks/tune_chunk_o_bwd.py, bf16, chunk 64; RESULTS.md):
+    - B=8 T=4096 H=16 K=V=128 M=2: "roles" with roles "dh|dq|dkv" at 4 warps, 1 stage 0.916 ms,
+      against 1.445 ms for "fused" at 8 warps (the former default), 0.96-0.98 ms for "dh|dq|dkv/m"
+      and 1.02-1.06 ms for "split".
+    - B=2 T=16384 H=16 K=V=256 M=2: the same "roles" launch 3.04 ms, against 5.12 ms for "fused"
+      at 8 warps (the former default there) and 3.13-3.30 ms for "dh|dq|dkv/m" and "split".
+    - B=4 T=8192 H=32 K=V=64 M=2: "fused" at 4 warps, 1 stage 0.93 ms, against 1.13 ms for the
+      "roles" launch above and 0.99 ms for "dh+dq|dkv" at 2 stages.
+    So 16-bit inputs at chunk <= 64 take "roles" (K or V above 64, up to 256), or the 4-warp
+    "fused" kernel when K, V <= 64 at chunk 64; M only changes a loop count. float32 inputs and
+    chunk 128 keep "fused" (not timed).
     """
     del num_householder  # copies are processed one after another; M does not change the tiles
     block_k, block_v = min(key_dim, 128), min(value_dim, 128 if key_dim <= 128 else 64)
     if itemsize >= 4 and chunk_size >= 128:
         block_k, block_v = min(key_dim, 64), min(value_dim, 64)
-    if itemsize == 2 and key_dim <= 128 and value_dim <= 128 and chunk_size <= 64:
+    if itemsize == 2 and chunk_size <= 64:
+        if key_dim <= 64 and value_dim <= 64 and chunk_size == 64:
+            return BwdKernelConfig(block_k=block_k, block_v=block_v, num_warps=4, num_stages=1)
         return BwdKernelConfig(block_k=block_k, block_v=block_v, num_warps=4, num_stages=1,
                                variant="roles", roles="dh|dq|dkv")
     num_warps = 8 if chunk_size >= 64 else 4

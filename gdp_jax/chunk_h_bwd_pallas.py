@@ -155,7 +155,8 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
             (run, run_first, run_last) if has_segments else None, is_last)
         acc = tuple(carry_in * x for x in ds)
         if dh_index is not None:                                     # h[c] is an output
-            acc = tuple(dh_ref[dh_index, kb, :] + a for kb, a in zip(key_blocks, acc))
+            acc = tuple(dh_ref[dh_index, kb, :].astype(jnp.float32) + a
+                        for kb, a in zip(key_blocks, acc))
 
         def one_copy(m, acc):
             dvt = dv_ref[rows, m, :].astype(jnp.float32)             # [BT, BV]
@@ -173,7 +174,7 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
             acc = jax.lax.fori_loop(0, num_householder, one_copy, acc)
         return acc, run_first
 
-    ds = tuple(dfinal_ref[kb, :] for kb in key_blocks)
+    ds = tuple(dfinal_ref[kb, :].astype(jnp.float32) for kb in key_blocks)
 
     def one_stored_chunk(i, carry):      # h was stored before the first of every `subchunks` chunks
         stored = num_chunks // subchunks - 1 - i
@@ -216,9 +217,9 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
             raise ValueError(f"{name} must be a power of two >= 16 dividing {width}; got {block}")
     f32 = jnp.float32
 
-    def state(x):                               # [..., K, V] -> [..., Kp, Vp]
+    def state(x):          # [..., K, V] -> [..., Kp, Vp] in x's dtype: the kernel upcasts its loads
         pads = [(0, 0)] * (x.ndim - 2) + [(0, kp - key_dim), (0, vp - value_dim)]
-        return jnp.pad(x.astype(f32), pads)
+        return jnp.pad(x, pads)
 
     operands = [stream_layout(x, width, pad_t, m) for x, width in ((k, kp), (w, kp), (dv_new, vp))]
     operands += [state(dh), state(dfinal)]
@@ -321,8 +322,9 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
 
     Primals: k, w [B, T*M, H, K]; g [B, T, H] chunk-local log2 decays or None; runs [B, T] int32
     or None. Forward results (residuals): h [B, NT, H, K, V] (any float dtype), v_new
-    [B, T*M, H, V]. Cotangents: dh [B, NT, H, K, V], dv_new [B, T*M, H, V], dfinal [B, H, K, V].
-    dg is None when g is None, dinitial_state None unless ``with_initial_state``.
+    [B, T*M, H, V]. Cotangents: dh [B, NT, H, K, V], dv_new [B, T*M, H, V], dfinal [B, H, K, V],
+    each in any float dtype (the kernels upcast what they load: 16-bit cotangents are not first
+    widened to float32 in HBM). dg is None when g is None, dinitial_state None unless ``with_initial_state``.
     ``walk_kwargs`` (block_k, block_v, num_warps, num_stages) go to the reverse-walk kernel;
     the epilogue kernel runs one program per (head, chunk, batch row) with ``epilogue_warps``.
     ``subchunks`` > 1 (chunk_h_pallas's): dh [B, NT / subchunks, H, K, V] holds the cotangents of

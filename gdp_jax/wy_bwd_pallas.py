@@ -72,11 +72,13 @@ _LN2 = math.log(2.0)
 
 
 def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segments: bool,
-                   precision):
+                   has_dk_in: bool, precision):
     k_ref, v_ref, beta_ref, *refs = refs
     gamma_ref = refs.pop(0) if has_g else None
     runs_ref = refs.pop(0) if has_segments else None
-    inverse_ref, dw_ref, du_ref, dk_ref, dv_ref, dbeta_ref, *refs = refs
+    inverse_ref, dw_ref, du_ref, *refs = refs
+    dk_in_ref = refs.pop(0) if has_dk_in else None
+    dk_ref, dv_ref, dbeta_ref, *refs = refs
     dgamma_ref = refs.pop(0) if has_g else None
     assert not refs
     f32 = jnp.float32
@@ -102,7 +104,7 @@ def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segm
         m, v_dot_dru = carry
         values, cot = v_ref[:, cols].astype(f32), du_ref[:, cols].astype(f32)
         d_rhs = dot(t_inv, cot, trans_a=True)                         # dRu = T^T du
-        dv_ref[:, cols] = beta[:, None] * d_rhs
+        dv_ref[:, cols] = (beta[:, None] * d_rhs).astype(dv_ref.dtype)
         m = m + dot(cot, values * beta[:, None], trans_b=True)
         return m, v_dot_dru + jnp.sum(values * d_rhs, axis=1)
 
@@ -134,7 +136,10 @@ def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segm
         d_rhs = dot(t_inv, cot, trans_a=True)
         p1 = dot(f, keys)
         p2 = dot(f, keys * beta[:, None], trans_a=True)
-        dk_ref[:, cols] = scale_w[:, None] * d_rhs + beta[:, None] * p1 + p2
+        dk = scale_w[:, None] * d_rhs + beta[:, None] * p1 + p2
+        if has_dk_in:
+            dk += dk_in_ref[:, cols].astype(f32)
+        dk_ref[:, cols] = dk.astype(dk_ref.dtype)
         return (k_dot_drw + jnp.sum(keys * d_rhs, axis=1), k_dot_p1 + jnp.sum(keys * p1, axis=1),
                 k_dot_p2 + jnp.sum(keys * p2, axis=1))
 
@@ -146,9 +151,11 @@ def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segm
 
 def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
                   interpret: bool = False, num_warps: int = 4, num_stages: int = 1,
-                  block_cols: int = 64, precision=_HIGHEST):
-    """(dk [B, P, H, K], dv [B, P, H, V], dbeta [B, P, H], dgamma [B, P, H] or None), float32:
-    the VJP of wy_pallas's (w, u) in (k, v, beta, gamma), given cotangents dw, du.
+                  block_cols: int = 64, precision=_HIGHEST, dk_accumulate=None,
+                  out_dtype=jnp.float32):
+    """(dk [B, P, H, K], dv [B, P, H, V], dbeta [B, P, H], dgamma [B, P, H] or None): the VJP of
+    wy_pallas's (w, u) in (k, v, beta, gamma), given cotangents dw, du. dk and dv come in
+    ``out_dtype`` (float32 by default), dbeta and dgamma in float32.
 
     k [B, P, H, K], v [B, P, H, V] (one dtype: float32, bfloat16 or float16), beta [B, P, H];
     gamma [B, P, H] sub-chunk-local log2 decays (``wy_pallas.expanded_log2_decays``) or None (then
@@ -160,6 +167,10 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
     ``precision`` is that of every dot (float32 operands): HIGHEST is IEEE float32 (FMA loops on
     the GPU), None lets Triton use TF32 tensor cores. ``block_cols`` (a power of two >= 16) is the
     width of the column blocks the K and V passes step through.
+
+    ``dk_accumulate`` ([B, P, H, K], any float dtype, or None) is added to dk in float32 before it
+    is rounded to ``out_dtype``: the op passes the state walk's share of dk, so the sum and the
+    cast cost no separate pass over HBM.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
@@ -171,6 +182,9 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
         raise ValueError(f"wy_bwd_pallas: {widths} must all be powers of two >= 16")
     if v.dtype != k.dtype or dw.shape != k.shape or du.shape != v.shape:
         raise ValueError("wy_bwd_pallas: k and v must share a dtype, dw match k's shape, du v's")
+    if dk_accumulate is not None and dk_accumulate.shape != k.shape:
+        raise ValueError(f"wy_bwd_pallas: dk_accumulate must match k's shape {k.shape}; "
+                         f"got {dk_accumulate.shape}")
     if inverse.shape != (batch, positions, heads, sub_chunk):
         raise ValueError(f"wy_bwd_pallas: inverse must be [B, P, H, S] = "
                          f"{(batch, positions, heads, sub_chunk)}; got {inverse.shape}")
@@ -187,8 +201,11 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
         in_specs.append(pl.BlockSpec((None, sub_chunk), lambda hd, s, b: (b, s)))
     operands += [inverse, dw, du]
     in_specs += [rows(sub_chunk), rows(key_dim), rows(value_dim)]
-    out_shape = [jax.ShapeDtypeStruct((batch, positions, heads, key_dim), f32),
-                 jax.ShapeDtypeStruct((batch, positions, heads, value_dim), f32),
+    if dk_accumulate is not None:
+        operands.append(dk_accumulate)
+        in_specs.append(rows(key_dim))
+    out_shape = [jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
+                 jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads), f32)]
     out_specs = [rows(key_dim), rows(value_dim), per_position]
     if gamma is not None:
@@ -196,7 +213,7 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
         out_specs.append(per_position)
     kernel = functools.partial(_wy_bwd_kernel, sub_chunk=sub_chunk, block_cols=block_cols,
                                has_g=gamma is not None, has_segments=runs is not None,
-                               precision=precision)
+                               has_dk_in=dk_accumulate is not None, precision=precision)
     call = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),

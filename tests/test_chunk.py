@@ -345,6 +345,31 @@ def _gradient_problem(use_qk_l2norm):
 
 # One case, with use_qk_l2norm: the gradients of q and k then also pass through the normalisation.
 # "interpret": the Pallas path's custom_vjps, kernels interpreted, against the same float64 autodiff.
+def test_interpret_bfloat16_gradients():
+    """bf16 inputs through the Pallas path's custom_vjps (interpreted): 16-bit cotangents of h and
+    v_new enter the reverse walk as they are, and the WY VJP kernel adds the walk's dk and rounds
+    dk, dv to bf16 itself. Against the xla path in float32 on the same rounded inputs."""
+    p = make_full_problem(52, batch=1, tokens=40, heads=2, key_dim=16, value_dim=32, m=2,
+                          chunk_size=16, gated=True, initial_state=True, segments=True,
+                          dtype=jnp.bfloat16)
+    do = jnp.asarray(np.random.default_rng(7).normal(size=p["ref"]["o"].shape), jnp.float32)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def grads(implementation, dtype):
+        def loss(q, k, v, g, beta, initial_state):
+            o, final_state = gdp_jax.chunk_gated_delta_product(
+                q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                segment_ids=p["segment_ids"], chunk_size=16, implementation=implementation)
+            return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final_state)
+        primals = [p[n].astype(dtype) if n in "qkv" else p[n] for n in names]
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*primals)
+
+    for name, got, want in zip(names, grads("interpret", jnp.bfloat16),
+                               grads("xla", jnp.float32)):
+        assert got.dtype == p[name].dtype, name
+        assert rel_err(got, want) < TOL[jnp.bfloat16], (name, rel_err(got, want))
+
+
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
 @pytest.mark.parametrize("use_qk_l2norm", [True])
 def test_gradients_against_recurrence(use_qk_l2norm, implementation):

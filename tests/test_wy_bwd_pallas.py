@@ -180,6 +180,29 @@ def test_column_blocks(sub_chunk, block_cols):
     _check(primals, cotangents, sub_chunk, TOL[np.float32], block_cols=block_cols)
 
 
+def test_dk_accumulate_and_16_bit_outputs():
+    """dk_accumulate is added to dk in float32 and dk, dv come rounded to out_dtype (the op passes
+    the state walk's dk and the inputs' dtype); dbeta, dgamma stay float32 and unchanged."""
+    sub_chunk = 64
+    primals, cotangents = _inputs(41, sub_chunk=sub_chunk, num_sub_chunks=2, key_dim=32,
+                                  value_dim=64, gated=True, segments=True, dtype=jnp.bfloat16)
+    inverse = _forward_inverse(primals, sub_chunk)
+    extra = jax.random.normal(jax.random.PRNGKey(3), primals[0].shape, jnp.float32)
+    got = wy_bwd_pallas(*primals, inverse, *cotangents, sub_chunk=sub_chunk, interpret=True,
+                        dk_accumulate=extra, out_dtype=jnp.bfloat16)
+    dk, dv, dbeta, dgamma = _reference_f64(primals, cotangents, sub_chunk)
+    assert got[0].dtype == got[1].dtype == jnp.bfloat16
+    assert got[2].dtype == got[3].dtype == jnp.float32
+    bf16_rounding = 2.0 ** -8                                # relative, round to nearest
+    assert rel_err(got[0], dk + np.asarray(extra)) < bf16_rounding
+    assert rel_err(got[0], dk) > 0.1                         # the extra term is really there
+    assert rel_err(got[1], dv) < bf16_rounding
+    assert rel_err(got[2], dbeta) < TOL[jnp.bfloat16] and rel_err(got[3], dgamma) < TOL[jnp.bfloat16]
+    with pytest.raises(ValueError, match="dk_accumulate"):
+        wy_bwd_pallas(*primals, inverse, *cotangents, sub_chunk=sub_chunk, interpret=True,
+                      dk_accumulate=extra[:, :64])
+
+
 @pytest.mark.parametrize("sub_chunk,gated,segments", [(16, False, True), (64, True, True)])
 def test_forward_keeps_the_inverse(sub_chunk, gated, segments):
     """wy_pallas(return_inverse=True)'s T is (I + A)^{-1} (float64 inverse of the same A), and its

@@ -38,3 +38,14 @@ def tile_width(n: int) -> int:
     """The width the Pallas kernels give a K or V axis of size n: the next power of two, at least
     16 (Triton's dot tile rule); the padding is zeros, which change no dot product."""
     return max(16, 1 << (n - 1).bit_length())
+
+
+# The widest K or V the compiled Pallas kernels are built for: every kernel's Triton IR was
+# compiled offline for sm_90a up to this width (benchmarks/codegen.py) and run on an H200 up to
+# it. Wider calls run the jnp stages instead (chunk_o.py, chunk.py).
+KERNEL_MAX_WIDTH = 256
+
+
+def kernel_widths_supported(key_dim: int, value_dim: int) -> bool:
+    """Whether K and V, padded to tile widths, are within KERNEL_MAX_WIDTH."""
+    return max(tile_width(key_dim), tile_width(value_dim)) <= KERNEL_MAX_WIDTH

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _validation as val
-from gdp_jax._chunking import tile_width
+from gdp_jax._chunking import kernel_widths_supported, tile_width
 from gdp_jax.chunk_h import chunk_h_xla
 from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
 from gdp_jax.chunk_h_pallas import chunk_h_pallas
@@ -75,7 +75,9 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       implementation: "pallas", "xla", "interpret" or None, as for chunk_gdp_fwd_o: "xla" is jnp
         throughout; "pallas" (GPU) and "interpret" run the WY, state-walk and output stages as
         Pallas kernels, forward and backward (compiled with float32 inputs, the WY stage's
-        backward is jnp: IEEE float32 dots in that kernel spill).
+        backward is jnp: IEEE float32 dots in that kernel spill). Under "pallas", K or V above 256
+        run the jnp stages, and so does chunk_o where its kernels would not fit (see
+        chunk_gdp_fwd_o).
 
     Returns:
       (o, final_state): o [B, T, H, V] in v's dtype; final_state [B, H, K, V] float32, or None
@@ -107,7 +109,10 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))
     g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
     stage = dict(chunk_size=chunk_size, num_householder=m)
-    if implementation == "xla":
+    # Widths beyond the kernels' (K or V above 256) take the jnp stages under "pallas" too; chunk_o
+    # decides the same for itself (chunk_o._compiled_kernels_fit).
+    if implementation == "xla" or (implementation == "pallas"
+                                   and not kernel_widths_supported(key_dim, value_dim)):
         h, v_new, final_state = _states_jnp(k, v, beta, g_log2, runs, initial_state, **stage)
     else:
         # g enters in float32, so its cotangent is rounded to g's dtype once (as on the xla path).

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _validation as val
-from gdp_jax._chunking import tile_width
+from gdp_jax._chunking import kernel_widths_supported, tile_width
 from gdp_jax.chunk_o_bwd_pallas import chunk_o_bwd_pallas
 from gdp_jax.chunk_o_pallas import chunk_o_pallas
 from gdp_jax.segments import segment_runs
@@ -48,7 +48,9 @@ def chunk_gdp_fwd_o(q: jax.Array, k: jax.Array, v: jax.Array, h: jax.Array,
       num_householder: M; inferred from k.shape[1] // T when None, checked when given.
       implementation: "pallas" (Triton kernel on GPU), "xla" (pure jnp, any backend), "interpret"
         (the Pallas kernel in Pallas' interpreter, for CPU tests), or None for "pallas" on a GPU
-        backend and "xla" elsewhere.
+        backend and "xla" elsewhere. "pallas" runs the jnp path where the compiled kernels' tiles
+        would not fit shared memory: K or V above 256, or float32 inputs with K above 128 at
+        chunk_size 128.
 
     Returns:
       o: [B, T, H, V] in v's dtype, accumulated in float32. Differentiable in q, k, v, h and g.
@@ -92,11 +94,34 @@ class _Config:
     implementation: str
 
 
+def _compiled_kernels_fit(dtype, key_dim: int, value_dim: int, chunk_size: int) -> bool:
+    """Whether the compiled kernels' tiles fit a GPU's shared memory (an H200's 227 KiB).
+
+    K and V must be within _chunking.KERNEL_MAX_WIDTH (256). And 4-byte inputs with K padded to
+    256 at chunk size 128 do not fit: the [128, 256] float32 query and key tiles alone are
+    256 KiB; the forward asks for 256 KiB, the backward 288 KiB (their Triton IR compiled offline
+    for sm_90a, benchmarks/codegen.py; every other combination of K, V <= 256, chunk size and 2-
+    or 4-byte inputs needs at most 192 KiB there). Such calls run the jnp path instead, forward
+    and backward, so they return correct results rather than fail at launch. The interpreter has
+    no such limit and always runs the kernels."""
+    if not kernel_widths_supported(key_dim, value_dim):
+        return False
+    return not (jnp.dtype(dtype).itemsize >= 4 and tile_width(key_dim) > 128 and chunk_size >= 128)
+
+
+def _resolved(config: _Config, q, v) -> str:
+    """config.implementation, with "pallas" turned into "xla" where the kernels do not fit."""
+    if config.implementation == "pallas" and not _compiled_kernels_fit(
+            q.dtype, q.shape[-1], v.shape[-1], config.chunk_size):
+        return "xla"
+    return config.implementation
+
+
 def _forward(q, k, v, h, g, runs, config: _Config):
     g = None if g is None else g.astype(jnp.float32)
     kwargs = dict(scale=config.scale, chunk_size=config.chunk_size,
                   num_householder=config.num_householder)
-    if config.implementation == "xla":
+    if _resolved(config, q, v) == "xla":
         return chunk_o_xla(q, k, v, h, g, runs, **kwargs)
     return _pallas_padded(q, k, v, h, g, runs, interpret=config.implementation == "interpret", **kwargs)
 
@@ -201,7 +226,7 @@ def _chunk_o_bwd(config, residuals, do):
     g32 = None if g is None else g.astype(jnp.float32)
     kwargs = dict(scale=config.scale, chunk_size=config.chunk_size,
                   num_householder=config.num_householder)
-    if config.implementation == "xla":
+    if _resolved(config, q, v) == "xla":
         if g is None:
             _, vjp = jax.vjp(lambda *a: chunk_o_xla(*a, None, runs, **kwargs), q, k, v, h)
             dq, dk, dv, dh = vjp(do)

@@ -345,6 +345,31 @@ def _gradient_problem(use_qk_l2norm):
 
 # One case, with use_qk_l2norm: the gradients of q and k then also pass through the normalisation.
 # "interpret": the Pallas path's custom_vjps, kernels interpreted, against the same float64 autodiff.
+def test_pallas_takes_the_jnp_stages_beyond_the_kernels_widths():
+    """K above 256 (padded to 512) is wider than the compiled kernels are built for:
+    implementation="pallas" runs every stage in jnp, forward and backward, and so works on this
+    GPU-less host (a kernel would fail here) and equals "xla"."""
+    p = make_full_problem(53, batch=1, tokens=21, heads=1, key_dim=260, value_dim=16, m=2,
+                          chunk_size=16)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def run(implementation):
+        def loss(*args):
+            o, final_state = gdp_jax.chunk_gated_delta_product(
+                *args[:5], initial_state=args[5], output_final_state=True,
+                segment_ids=p["segment_ids"], chunk_size=16, implementation=implementation)
+            return jnp.sum(o ** 2) + jnp.sum(final_state), o
+        return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(
+            *[p[n] for n in names])
+
+    (_, o), grads = run("pallas")
+    (_, o_xla), grads_xla = run("xla")
+    assert rel_err(o, p["ref"]["o"]) < TOL[np.float32]
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_xla))
+    for name, got, want in zip(names, grads, grads_xla):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+
+
 def test_interpret_bfloat16_gradients():
     """bf16 inputs through the Pallas path's custom_vjps (interpreted): 16-bit cotangents of h and
     v_new enter the reverse walk as they are, and the WY VJP kernel adds the walk's dk and rounds

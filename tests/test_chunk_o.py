@@ -486,3 +486,43 @@ def test_kernel_configs_in_interpreter(early_loads, value_dim, m, segments):
         chunk_o_pallas, scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m,
         interpret=True, config=config))(p["q"], p["k"], p["v"], p["h"], p["g"], runs)
     assert rel_err(o, p["o_ref"]) < TOL[np.float32]
+
+
+@pytest.mark.parametrize("dtype,key_dim,value_dim,chunk_size,fits", [
+    (np.float32, 256, 16, 128, False),      # 4-byte q, k tiles of 128 x 256: 256 KiB of shared memory
+    (np.float32, 200, 16, 128, False),      # K pads to 256
+    (np.float32, 128, 256, 128, True),
+    (np.float32, 256, 256, 64, True),
+    (jnp.bfloat16, 256, 256, 128, True),
+    (jnp.bfloat16, 300, 16, 64, False),     # K pads to 512: wider than the kernels are built for
+    (jnp.bfloat16, 16, 257, 64, False),
+])
+def test_pallas_runs_the_jnp_path_where_the_kernels_do_not_fit(dtype, key_dim, value_dim,
+                                                               chunk_size, fits):
+    """implementation="pallas" takes the jnp path, forward and backward, for shapes whose compiled
+    kernels would exceed shared memory. This host has no GPU, so a "pallas" call that reaches a
+    kernel fails here: the unfit shapes must run and equal "xla" (and the recurrence), the fitting
+    ones must not run the jnp path."""
+    from gdp_jax.chunk_o import _compiled_kernels_fit
+    assert _compiled_kernels_fit(dtype, key_dim, value_dim, chunk_size) == fits
+    if fits:
+        return
+    p = make_problem(key_dim + value_dim, batch=1, tokens=chunk_size + 9, heads=1, key_dim=key_dim,
+                     value_dim=value_dim, m=2, chunk_size=chunk_size, dtype=dtype)
+    names = ("q", "k", "v", "h", "g")
+
+    def loss(implementation):
+        def f(q, k, v, h, g):
+            o = gdp_jax.chunk_gdp_fwd_o(q, k, v, h, g, segment_ids=p["segment_ids"],
+                                        chunk_size=chunk_size, implementation=implementation)
+            return jnp.sum(o.astype(jnp.float32) ** 2), o
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))(
+            *[p[n] for n in names])
+
+    (_, o), grads = loss("pallas")
+    (_, o_xla), grads_xla = loss("xla")
+    assert rel_err(o, p["o_ref"]) < TOL[dtype]
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o_xla, np.float32))
+    for name, got, want in zip(names, grads, grads_xla):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                      err_msg=name)

@@ -324,7 +324,8 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     or None. Forward results (residuals): h [B, NT, H, K, V] (any float dtype), v_new
     [B, T*M, H, V]. Cotangents: dh [B, NT, H, K, V], dv_new [B, T*M, H, V], dfinal [B, H, K, V],
     each in any float dtype (the kernels upcast what they load: 16-bit cotangents are not first
-    widened to float32 in HBM). dg is None when g is None, dinitial_state None unless ``with_initial_state``.
+    widened to float32 in HBM). dg is None when g is None, dinitial_state None unless
+    ``with_initial_state``.
     ``walk_kwargs`` (block_k, block_v, num_warps, num_stages) go to the reverse-walk kernel;
     the epilogue kernel runs one program per (head, chunk, batch row) with ``epilogue_warps``.
     ``subchunks`` > 1 (chunk_h_pallas's): dh [B, NT / subchunks, H, K, V] holds the cotangents of

@@ -38,10 +38,7 @@ VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
     "M3": (8, 4096, 16, 128, 128, 3, {}),
     "K64": (4, 8192, 32, 64, 64, 2, {}),
     "K256": (2, 16384, 16, 256, 256, 2, {}),
-    "M2_early": (8, 4096, 16, 128, 128, 2, dict(early_loads=True)),
-    "M2_early_w8": (8, 4096, 16, 128, 128, 2, dict(early_loads=True, num_warps=8)),
     "M2_w8": (8, 4096, 16, 128, 128, 2, dict(num_warps=8)),
-    "M3_early_w8": (8, 4096, 16, 128, 128, 3, dict(early_loads=True, num_warps=8)),
 }
 
 

@@ -78,12 +78,9 @@ def copy_bandwidth():
     return best
 
 
-EARLY_LOADS = [dict(early_loads=True), dict(early_loads=True, num_warps=8), dict(num_warps=8)]
-
-
 def sweep(kd, vd, m, full):
     """Configs tried for one shape (keyword overrides of kernel_config)."""
-    out = list(EARLY_LOADS)
+    out = []
     block_vs = [(vd, 1), (vd // 2, 2), (vd // 2, 1)] if vd >= 64 else [(vd, 1)]
     if kd >= 256:
         block_vs = [(128, 2), (64, 4), (64, 2), (64, 1), (128, 1)]
@@ -124,8 +121,6 @@ def main():
     ap.add_argument("--quick", action="store_true", help="headline shape only")
     ap.add_argument("--fla", action="store_true", help="also time fla in this process")
     ap.add_argument("--only", default=None, help="comma-separated indices into SHAPES")
-    ap.add_argument("--early-loads-only", action="store_true",
-                    help="time only the default and the early_loads configs (4 and 8 warps)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -140,8 +135,7 @@ def main():
         ref = jax.jit(lambda *a: chunk_o_xla(*a, **kw))(*sets[0]).astype(jnp.float32)
         label = f"B={b} T={t} H={h} K={kd} V={vd} M={m}" + (f" seg~{nseg}" if nseg else "")
         results = []
-        configs = EARLY_LOADS if args.early_loads_only else sweep(kd, vd, m, full=si == 0)
-        for over in [{}] + configs:
+        for over in [{}] + sweep(kd, vd, m, full=si == 0):
             cfg = kernel_config(kd, vd, 64, m, **over)
             fn = jax.jit(lambda *a, cfg=cfg: chunk_o_pallas(*a, config=cfg, **kw))
             try:

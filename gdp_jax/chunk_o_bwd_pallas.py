@@ -145,7 +145,8 @@ def bwd_kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_househo
     the kernel's Triton IR offline (pip triton 3.9, sm_90): blocks of at most 128 columns (64 values
     when K = 256; 64 of each for float32 at chunk size 128) keep shared memory within an H200's
     227 KiB, e.g. 48 KiB for bf16 K = V = 128 and 160 KiB for float32 K = V = 256 at chunk 64.
-    float32 at chunk 128 with K = 256 still needs ~288 KiB (the forward ~256 KiB there). The
+    float32 at chunk 128 with K = 256 still needs ~288 KiB (the forward ~256 KiB there), so
+    chunk_o._compiled_kernels_fit sends those calls to the jnp path and they never get here. The
     untimed "fused" cases use 8 warps at chunk >= 64: at 4 warps its register spills roughly
     quadruple at K = V = 128 (offline). The copy loop is not pipelined.
 

@@ -35,14 +35,12 @@ class KernelConfig:
     heads_fastest: bool            # launch order: neighbouring programs take neighbouring heads
     num_warps: int
     num_stages: int
-    early_loads: bool = False      # issue every tile's load before the first dot (experiment)
 
 
 def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int, *,
                   block_v: int | None = None, value_blocks_per_program: int | None = None,
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None,
-                  early_loads: bool = False) -> KernelConfig:
+                  num_warps: int | None = None, num_stages: int | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     Measured on an H200 (jax 0.11.2, bf16, chunk 64, benchmarks/tune_chunk_o.py; RESULTS.md has
@@ -59,13 +57,11 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       ms at B=4 T=8192 H=32 M=2 vs 0.297 for one chunk); at K = 128 the pipelined buffers exceed
       shared memory (232 KB) and the unpipelined loop is slower.
     - not measured to help: 2 warps (0.55 ms), an evict-first L2 hint on the loads (0.313 ms).
-
-    ``early_loads`` (off; not yet timed on a GPU) writes every tile's load (q, the M key copies, h
-    and the M value copies) before the first dot. In the default order the generated code loads
-    each operand only after the previous dot has completed (Triton IR compiled offline for sm_90a:
-    plain ld.global, a wgmma wait between each load group and the next), so a program never
-    overlaps its own loads with its dots and 2 programs per SM (255 registers at M = 2) keep few
-    bytes in flight. See benchmarks/CODEGEN.md.
+    - not faster either: every tile's load written before the first dot (an option tried in the
+      fifth session and removed): 0.320 vs 0.310 ms at M = 2, slower at M = 1 and 3, over shared
+      memory at K = 256, although the sm_90a build then issued all its loads ahead of the first
+      wgmma (benchmarks/CODEGEN.md). So the order of the loads inside a program is not what holds
+      the kernel below the floor.
     """
     small = key_dim <= 64 and value_dim <= 64
     if block_v is None:
@@ -78,8 +74,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         chunks_per_program=chunks_per_program or (4 if small and chunk_size <= 64 else 1),
         heads_fastest=True if heads_fastest is None else heads_fastest,
         num_warps=num_warps or 4,
-        num_stages=num_stages or 2,
-        early_loads=early_loads)
+        num_stages=num_stages or 2)
 
 
 def _load_rows(ref, row_valid, other=0):
@@ -90,8 +85,7 @@ def _load_rows(ref, row_valid, other=0):
 
 def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, tokens: int,
                     num_chunks: int, chunks_per_program: int, block_v: int,
-                    value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool,
-                    early_loads: bool):
+                    value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -124,38 +118,28 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
             row_weight = (jnp.where(live_at_c0, row_weight, 0.0) if has_g
                           else live_at_c0.astype(jnp.float32))
 
-        value_tiles = lambda j: pl.ds(j * block_v, block_v)
-        load_state = lambda j: h_ref[i, :, value_tiles(j)]           # [K, BV]
-        load_values = lambda j, v_ref: load_rows(v_ref.at[chunk_rows, value_tiles(j)])
-        keys = states = values = None
-        if early_loads:   # every load first, in program order, before any dot
-            keys = [load_rows(k_ref.at[chunk_rows]) for k_ref in k_refs]
-            states = [load_state(j) for j in range(value_blocks_per_program)]
-            values = [[load_values(j, v_ref) for v_ref in v_refs]
-                      for j in range(value_blocks_per_program)]
-
         # Decayed, masked scores 2^(g[t]-g[s]) q[t]·k[s] of every Householder copy, computed once
         # and reused for every value tile.
         if has_g:
             pair_weight = jnp.where(pair_mask, jnp.exp2(g[:, None] - g[None, :]), 0.0)
         scores = []
-        for copy, k_ref in enumerate(k_refs):
-            k = keys[copy] if early_loads else load_rows(k_ref.at[chunk_rows])   # [BT, K]
+        for k_ref in k_refs:
+            k = load_rows(k_ref.at[chunk_rows])                     # [BT, K]
             score = plgpu.dot(q, k, trans_b=True)                   # [BT, BT] f32
             score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
             scores.append(score.astype(v_refs[0].dtype))
 
         for j in range(value_blocks_per_program):
-            state = states[j] if early_loads else load_state(j)
+            value_cols = pl.ds(j * block_v, block_v)
+            state = h_ref[i, :, value_cols]                         # [K, BV]
             dot_dtype = jnp.promote_types(q.dtype, state.dtype)
             # Carried-state term [same(t, c0)] 2^g[t] q[t]·h[c], the row weight applied in f32.
             o = plgpu.dot(q.astype(dot_dtype), state.astype(dot_dtype))   # [BT, BV] f32
             if row_weight is not None:
                 o = o * row_weight[:, None]
-            for copy, (score, v_ref) in enumerate(zip(scores, v_refs)):   # intra-chunk, M copies
-                value = values[j][copy] if early_loads else load_values(j, v_ref)
-                o += plgpu.dot(score, value)
-            plgpu.store(o_ref.at[chunk_rows, value_tiles(j)], (scale * o).astype(o_ref.dtype),
+            for score, v_ref in zip(scores, v_refs):                # intra-chunk term, all M copies
+                o += plgpu.dot(score, load_rows(v_ref.at[chunk_rows, value_cols]))
+            plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
                         mask=row_valid[:, None])
         return carry
 
@@ -218,7 +202,7 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
         _chunk_o_kernel, num_householder=m, scale=scale, chunk_size=chunk_size, tokens=tokens,
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
         value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
-        has_g=g is not None, has_segments=runs is not None, early_loads=cfg.early_loads)
+        has_g=g is not None, has_segments=runs is not None)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

@@ -466,13 +466,10 @@ def test_random_shapes_against_recurrence(problem):
     assert rel_err(o, p["o_ref"]) < TOL[np.float32]
 
 
-# The forward kernel's launch variants that the cases above do not reach through kernel_config's
-# defaults: several value tiles looped in one program (V = 256), and early_loads (every load
-# before the first dot; a tuning option). Small K = V = 32 takes the 4-chunks-per-program loop.
-@pytest.mark.parametrize("early_loads,value_dim,m,segments", [(True, 32, 2, True),
-                                                             (True, 256, 3, False),
-                                                             (False, 256, 1, True)])
-def test_kernel_configs_in_interpreter(early_loads, value_dim, m, segments):
+# The forward kernel's launch variant that the cases above do not reach through kernel_config's
+# defaults: several value tiles looped in one program (V = 256).
+@pytest.mark.parametrize("value_dim,m,segments", [(256, 3, False), (256, 1, True)])
+def test_kernel_configs_in_interpreter(value_dim, m, segments):
     from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
     from gdp_jax.segments import segment_runs
 
@@ -480,8 +477,8 @@ def test_kernel_configs_in_interpreter(early_loads, value_dim, m, segments):
     p = cached_problem(5 + m, batch=2, tokens=77, heads=2, key_dim=key_dim, value_dim=value_dim,
                        m=m, chunk_size=chunk_size, gated=True, segments=segments)
     runs = None if p["segment_ids"] is None else segment_runs(p["segment_ids"])
-    config = kernel_config(key_dim, value_dim, chunk_size, m, early_loads=early_loads)
-    assert config.value_blocks_per_program == value_dim // 128 or value_dim < 128
+    config = kernel_config(key_dim, value_dim, chunk_size, m)
+    assert config.value_blocks_per_program == value_dim // 128
     o = jax.jit(functools.partial(
         chunk_o_pallas, scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m,
         interpret=True, config=config))(p["q"], p["k"], p["v"], p["h"], p["g"], runs)

@@ -32,6 +32,8 @@ def main():
                         "the walk's loads: cp.async, seen in the sm_90a build offline)")
     p.add_argument("--walk-blocks", default="16,32,64", help="comma-separated block_v for the chunk_h sweep")
     p.add_argument("--walk-warps", default="2,4,8", help="comma-separated num_warps for the chunk_h sweep")
+    p.add_argument("--walk-dot-dtypes", default="float32",
+                   help="comma-separated dot_dtype values for the chunk_h sweep (float32, bfloat16)")
     p.add_argument("--tf32-inverse", default="0", help="comma-separated tf32_inverse values (0, 1); "
                    "with 1, w and u's relative error against the IEEE inverse is printed too")
     args = p.parse_args()
@@ -93,13 +95,24 @@ def main():
     h_sets = [(s[0], w, u, s[3]) for s, (w, u) in zip(sets, wu)]
     ints = lambda text: [int(x) for x in text.split(",") if x]
     walk_configs = itertools.product(ints(args.walk_blocks), ints(args.walk_warps),
-                                     ints(args.walk_stages))
-    for bv, warps, stages in () if args.wy_only else walk_configs:
-        cfg = dict(block_v=bv, num_warps=warps, num_stages=stages)
+                                     ints(args.walk_stages), args.walk_dot_dtypes.split(","))
+    for bv, warps, stages, dot_dtype in () if args.wy_only else walk_configs:
+        cfg = dict(block_v=bv, num_warps=warps, num_stages=stages, dot_dtype=dot_dtype)
         timed("chunk_h", cfg, lambda k, w, u, g, cfg=cfg: chunk_h_pallas(
             k, w, u, g, None, None, chunk_size=sub, num_householder=1, subchunks=bt * M // sub,
             h_dtype=jnp.bfloat16, v_new_dtype=jnp.bfloat16, interpret=args.interpret, **cfg),
             h_sets)
+    if not args.wy_only and "bfloat16" in args.walk_dot_dtypes:   # accuracy of 16-bit walk dots
+        walk = lambda dot_dtype: jax.jit(lambda k, w, u, g: chunk_h_pallas(
+            k, w, u, g, None, None, chunk_size=sub, num_householder=1, subchunks=bt * M // sub,
+            h_dtype=jnp.float32, v_new_dtype=jnp.float32, interpret=args.interpret,
+            dot_dtype=dot_dtype))(*h_sets[0])
+        rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
+        for name, x, y in zip(("h", "v_new", "final"), walk("bfloat16"), walk("float32")):
+            log(f"bf16 walk dots: relative difference of {name} (float32 out) from TF32 dots: "
+                f"{rel(x, y):.2e}")
+            rows.append(dict(stage="walk_bf16_reldiff", config=name, ms=float("nan"),
+                             error=f"{rel(x, y):.2e}"))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(dict(shape=shp, chunk=bt, rows=rows), fh, indent=1)

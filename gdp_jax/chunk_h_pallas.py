@@ -51,7 +51,7 @@ def decay_and_run_operands(g, runs, pad_tokens: int):
 
 
 def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: int, has_g: bool,
-                    has_segments: bool, has_initial_state: bool, subchunks: int):
+                    has_segments: bool, has_initial_state: bool, subchunks: int, dot_dtype):
     k_ref, w_ref, u_ref, *refs = refs
     g_ref = refs.pop(0) if has_g else None
     runs_ref = refs.pop(0) if has_segments else None
@@ -88,13 +88,17 @@ def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: in
             coeff = jnp.where(run == run_last, coeff, 0.0)          # only the last segment carries
             carry_in = jnp.where(run_first == run_last, carry_in, 0.0)
         update = jnp.zeros((key_dim, block_v), jnp.float32)
+        state_operand = state.astype(dot_dtype)
         for m in range(num_householder):
-            w = w_ref[rows, m, :].astype(jnp.float32)               # [BT, K]
+            w = w_ref[rows, m, :].astype(dot_dtype)                 # [BT, K]
             u = u_ref[rows, m, :].astype(jnp.float32)               # [BT, BV]
-            v_new = u - plgpu.dot(w, state)                         # [BT, BV]
+            v_new = u - plgpu.dot(w, state_operand)                 # [BT, BV] f32
             v_new_ref[rows, m, :] = v_new.astype(v_new_ref.dtype)
-            kd = k_ref[rows, m, :].astype(jnp.float32) * coeff[:, None]
-            update += plgpu.dot(kd, v_new, trans_a=True)            # [K, BV]
+            # The decay weights scale v_new's rows ([BT, BV]) rather than k's ([BT, K]): same
+            # product, fewer multiplies, and k goes to the dot as loaded.
+            v_decayed = (v_new * coeff[:, None]).astype(dot_dtype)
+            k = k_ref[rows, m, :].astype(dot_dtype)
+            update += plgpu.dot(k, v_decayed, trans_a=True)         # [K, BV] f32
         return carry_in * state + update
 
     def one_stored_chunk(c, state):      # h is stored before the first of every `subchunks` chunks
@@ -109,7 +113,7 @@ def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: in
 def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder: int,
                    interpret: bool = False, block_v: int | None = None, num_warps: int = 4,
                    num_stages: int = 1, subchunks: int = 1, h_dtype=jnp.float32,
-                   v_new_dtype=jnp.float32):
+                   v_new_dtype=jnp.float32, dot_dtype=jnp.float32):
     """(h [B, NT, H, K, V] in ``h_dtype``, v_new [B, T*M, H, V] in ``v_new_dtype``, final_state
     [B, H, K, V] float32); both dtypes default to float32.
 
@@ -124,6 +128,8 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     so h has ceil(chunks / subchunks) entries. There g must already be sub-chunk-local and padded to
     whole token chunks with zero gates, so fully padded sub-chunks do not decay the final state.
     h and v_new are written in ``h_dtype`` and ``v_new_dtype``; the state is carried in float32.
+    ``dot_dtype`` is what the two dots' operands (w and the state; k and the decayed v_new) are
+    rounded to, with float32 accumulation: float32 (TF32 on the GPU) by default.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = u.shape[-1]
@@ -153,7 +159,8 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     kernel = functools.partial(
         _chunk_h_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
         has_g=g is not None, has_segments=runs is not None,
-        has_initial_state=initial_state is not None, subchunks=subchunks)
+        has_initial_state=initial_state is not None, subchunks=subchunks,
+        dot_dtype=jnp.dtype(dot_dtype))
     call = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((batch, num_chunks // subchunks, heads, kp, vp), h_dtype),

@@ -264,7 +264,7 @@ def _states_bwd(config, residuals, cotangents):
     dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
         k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh), dv_new_p, pad_state(dfinal),
         chunk_size=sub, num_householder=1, with_initial_state=initial_state is not None,
-        interpret=interpret, subchunks=per_chunk)
+        interpret=interpret, subchunks=per_chunk, dot_dtype=_work_dtype(k.dtype))
 
     # The WY stage's VJP per sub-chunk: the kernel with TF32 tensor-core dots for 16-bit inputs
     # (their gradients carry bf16/fp16 rounding anyway; 1.7 ms on an H200 at B=8 T=4096 H=16

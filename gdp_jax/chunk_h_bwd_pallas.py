@@ -46,8 +46,8 @@ product of per-chunk quantities that are all known after the walk, so it runs ch
 second kernel, one program per (head, chunk, batch row): dw = -dvt h^T and dkd = v_new dS^T sum over
 the whole V, which a per-value-block program could only produce as partial sums (an extra
 [V/BV, ...] output per cotangent and a reduction). h and v_new are the forward's outputs, saved as
-residuals (no recomputation); the epilogue re-reads them and dS (one [B, NT, H, K, V] float32
-array, the size of h, written once and read once). As batched jnp einsums this epilogue took
+residuals (no recomputation); the epilogue re-reads them and dS (one [B, NT, H, K, V] array,
+the size of h, written once and read once). As batched jnp einsums this epilogue took
 4 ms on an H200 at B=8 T=4096 H=16 K=V=128 M=2 (sub-chunk grid), twice the walk; as this kernel,
 1.9 ms. This follows flash-linear-attention, whose bwd_dhu kernel also walks only the state and
 dv while dk/dw/dg come from a chunk-parallel kernel.
@@ -59,7 +59,9 @@ Kernel details. The state cotangent is held as a tuple of [BK, BV] float32 tiles
 are a real inner ``lax.fori_loop`` (dynamic index on the copy axis), not unrolled: unrolled, every
 copy gets its own load/store sites whose address tensors the compiler hoists out of the chunk loop
 and keeps live (K = V = 128, M = 2: 255 registers and spills unrolled, 224 and none as a loop; see
-``default_blocks``). Dots are float32 (tf32 on the GPU, like the forward kernel). Reset flags and chunk-end
+``default_blocks``). Dots take ``dot_dtype`` operands with float32 accumulation: float32 (tf32
+on the GPU) by default, the inputs' 16-bit dtype in the op for 16-bit inputs, like the forward
+walk; dvt, dS and dw then pass through HBM in 16 bits too. Reset flags and chunk-end
 values come from reductions over the chunk's vectors, not scalar loads: runs never decrease along T,
 so run_first = min(run), run_last = max(run), and the reset between chunk c-1 and c is applied one
 iteration later (when chunk c-1's runs are loaded), comparing with chunk c's run_first carried in
@@ -127,7 +129,7 @@ def _decay_coefficients(g, segment, is_last):
 
 def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: int,
                         block_k: int, has_g: bool, has_segments: bool, has_initial_state: bool,
-                        subchunks: int):
+                        subchunks: int, dot_dtype):
     k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, *refs = refs
     g_ref = refs.pop(0) if has_g else None
     runs_ref = refs.pop(0) if has_segments else None
@@ -148,8 +150,9 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
             ds = tuple(jnp.where(reset_next, 0.0, x) for x in ds)    # -> dS_c
         else:
             run_first = run_first_next
+        ds_operand = tuple(x.astype(dot_dtype) for x in ds)          # dS_c as the dots take it
         for kb, x in zip(key_blocks, ds):
-            dstate_ref[c, kb, :] = x
+            dstate_ref[c, kb, :] = x.astype(dstate_ref.dtype)
         coeff, carry_in = _decay_coefficients(
             g_ref[rows] if has_g else None,                         # [BT] chunk-local log2 decays
             (run, run_first, run_last) if has_segments else None, is_last)
@@ -159,12 +162,14 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
                         for kb, a in zip(key_blocks, acc))
 
         def one_copy(m, acc):
-            dvt = dv_ref[rows, m, :].astype(jnp.float32)             # [BT, BV]
-            for kb, x in zip(key_blocks, ds):
-                kd = k_ref[rows, m, kb].astype(jnp.float32) * coeff[:, None]   # [BT, BK]
-                dvt += plgpu.dot(kd, x)
-            du_ref[rows, m, :] = dvt
-            return tuple(a - plgpu.dot(w_ref[rows, m, kb].astype(jnp.float32), dvt,
+            # kd dS with kd = coeff k: the row weights scale the [BT, BV] product, so k goes to
+            # the dot as loaded.
+            k_ds = sum(plgpu.dot(k_ref[rows, m, kb].astype(dot_dtype), x)
+                       for kb, x in zip(key_blocks, ds_operand))     # [BT, BV] f32
+            dvt = dv_ref[rows, m, :].astype(jnp.float32) + coeff[:, None] * k_ds
+            du_ref[rows, m, :] = dvt.astype(du_ref.dtype)
+            dvt = dvt.astype(dot_dtype)
+            return tuple(a - plgpu.dot(w_ref[rows, m, kb].astype(dot_dtype), dvt,
                                        trans_a=True)                 # [BK, BV]
                          for kb, a in zip(key_blocks, acc))
 
@@ -191,9 +196,12 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
 def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_householder: int,
                      with_initial_state: bool, interpret: bool = False,
                      block_k: int | None = None, block_v: int | None = None,
-                     num_warps: int | None = None, num_stages: int = 1, subchunks: int = 1):
+                     num_warps: int | None = None, num_stages: int = 1, subchunks: int = 1,
+                     dot_dtype=jnp.float32):
     """The reverse walk alone: (dvt [B, T_pad*M, H, Vp], dS [B, NT, H, Kp, Vp], dinitial
-    [B, H, Kp, Vp] or None), float32, padded (T to whole chunks, K and V to tile widths).
+    [B, H, Kp, Vp] or None), padded (T to whole chunks, K and V to tile widths). dvt and dS come
+    in ``dot_dtype`` (the dtype the dots' operands are rounded to, float32 accumulation; float32
+    by default), dinitial in float32; the carried dS is float32.
 
     ``subchunks`` > 1 mirrors chunk_h_pallas's: dh [B, NT / subchunks, H, K, V] is the cotangent
     of the states stored before every ``subchunks``-th chunk (the others were not outputs). The
@@ -236,8 +244,9 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     operands += row_operands
     in_specs += row_specs
 
-    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), f32),
-                 jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), f32)]
+    dot_dtype = jnp.dtype(dot_dtype)
+    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), dot_dtype),
+                 jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), dot_dtype)]
     out_specs = [value_stream, states]
     if with_initial_state:
         out_shape.append(jax.ShapeDtypeStruct((batch, heads, kp, vp), f32))
@@ -246,7 +255,7 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     kernel = functools.partial(
         _chunk_h_bwd_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
         block_k=block_k, has_g=g is not None, has_segments=runs is not None,
-        has_initial_state=with_initial_state, subchunks=subchunks)
+        has_initial_state=with_initial_state, subchunks=subchunks, dot_dtype=dot_dtype)
     call = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
@@ -265,7 +274,7 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
 
 
 def _epilogue_kernel(*refs, num_householder: int, chunk_size: int, block_k: int, block_v: int,
-                     has_g: bool, has_segments: bool):
+                     has_g: bool, has_segments: bool, dot_dtype):
     """One program per (head, chunk, batch row): dw, dk and dgamma of chunk c from the walk's dvt
     and dS_c and the forward's h[c] and v_new (see the module docstring)."""
     k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, *refs = refs
@@ -292,11 +301,12 @@ def _epilogue_kernel(*refs, num_householder: int, chunk_size: int, block_k: int,
             dw = jnp.zeros((chunk_size, block_k), f32)
             dkd = jnp.zeros((chunk_size, block_k), f32)
             for vb in value_blocks:
-                dvt = dvt_ref[:, m, vb]                                    # [BT, BV]
-                v_new = v_new_ref[:, m, vb].astype(f32)
-                dw -= plgpu.dot(dvt, h_ref[kb, vb].astype(f32), trans_b=True)   # -dvt h^T
-                dkd += plgpu.dot(v_new, dstate_ref[kb, vb], trans_b=True)       # v_new dS^T
-            dw_ref[:, m, kb] = dw
+                dvt = dvt_ref[:, m, vb].astype(dot_dtype)                  # [BT, BV]
+                v_new = v_new_ref[:, m, vb].astype(dot_dtype)
+                dw -= plgpu.dot(dvt, h_ref[kb, vb].astype(dot_dtype), trans_b=True)   # -dvt h^T
+                dkd += plgpu.dot(v_new, dstate_ref[kb, vb].astype(dot_dtype),
+                                 trans_b=True)                                     # v_new dS^T
+            dw_ref[:, m, kb] = dw.astype(dw_ref.dtype)
             dk_ref[:, m, kb] = coeff[:, None] * dkd
             z += jnp.sum(k_ref[:, m, kb].astype(f32) * dkd, axis=1)
         return z_sum + _LN2 * coeff * z                                    # z_j, summed over copies
@@ -310,15 +320,17 @@ def _epilogue_kernel(*refs, num_householder: int, chunk_size: int, block_k: int,
         frobenius = jnp.float32(0.0)                                      # <h[c], dS_c>
         for kb in key_blocks:
             for vb in value_blocks:
-                frobenius += jnp.sum(h_ref[kb, vb].astype(f32) * dstate_ref[kb, vb])
+                frobenius += jnp.sum(h_ref[kb, vb].astype(f32) * dstate_ref[kb, vb].astype(f32))
         y = _LN2 * carry_in * frobenius
         dgamma_ref[...] = -z_sum + jnp.where(is_last, jnp.sum(z_sum) + y, 0.0)
 
 
 def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_size: int,
                        num_householder: int, with_initial_state: bool, interpret: bool = False,
-                       epilogue_warps: int = 4, subchunks: int = 1, **walk_kwargs):
-    """(dk, dw, du, dg, dinitial_state), float32: the VJP of ``chunk_h.chunk_h_xla``.
+                       epilogue_warps: int = 4, subchunks: int = 1, dot_dtype=jnp.float32,
+                       **walk_kwargs):
+    """(dk, dw, du, dg, dinitial_state): the VJP of ``chunk_h.chunk_h_xla``. dk, dg and
+    dinitial_state are float32; dw and du come in ``dot_dtype``.
 
     Primals: k, w [B, T*M, H, K]; g [B, T, H] chunk-local log2 decays or None; runs [B, T] int32
     or None. Forward results (residuals): h [B, NT, H, K, V] (any float dtype), v_new
@@ -328,6 +340,10 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     ``with_initial_state``.
     ``walk_kwargs`` (block_k, block_v, num_warps, num_stages) go to the reverse-walk kernel;
     the epilogue kernel runs one program per (head, chunk, batch row) with ``epilogue_warps``.
+    ``dot_dtype`` (default float32, TF32 on the GPU) is the dtype both kernels round their dots'
+    operands to (float32 accumulation, float32 carried state), and the dtype of the intermediates
+    they pass through HBM (dvt, the per-chunk dS) and of dw, du. The op passes its 16-bit inputs'
+    dtype, as flash-linear-attention's backward keeps these in 16 bits.
     ``subchunks`` > 1 (chunk_h_pallas's): dh [B, NT / subchunks, H, K, V] holds the cotangents of
     the states stored before every ``subchunks``-th chunk, while h (the residual) holds all NT
     chunks' states; T must then be a multiple of chunk_size * subchunks (chunk_h_bwd_walk). The
@@ -346,7 +362,7 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     dvt, dstate, dinit = chunk_h_bwd_walk(
         k, w, g, runs, dh, dv_new, dfinal, chunk_size=chunk_size, num_householder=m,
         with_initial_state=with_initial_state, interpret=interpret, subchunks=subchunks,
-        **walk_kwargs)
+        dot_dtype=dot_dtype, **walk_kwargs)
     # The epilogue, chunk-parallel: dw = -dvt h^T and dkd = v_new dS^T sum over the whole V (see
     # the module docstring), on [BT, 64] tiles, reading h[c] and dS_c once per copy.
     h_p = jnp.pad(h, ((0, 0), (0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim)))
@@ -364,14 +380,16 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     if runs is not None:
         operands.append(jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, pad_t)), mode="edge"))
         in_specs.append(pl.BlockSpec((None, chunk_size), lambda hd, c, b: (b, c)))
-    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), f32)] * 2
+    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), f32),          # dk
+                 jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), dvt.dtype)]    # dw
     out_specs = [key_stream, key_stream]
     if g is not None:
         out_shape.append(jax.ShapeDtypeStruct((batch, t_pad, heads), f32))
         out_specs.append(per_token)
     kernel = functools.partial(
         _epilogue_kernel, num_householder=m, chunk_size=chunk_size, block_k=block_k,
-        block_v=block_v, has_g=g is not None, has_segments=runs is not None)
+        block_v=block_v, has_g=g is not None, has_segments=runs is not None,
+        dot_dtype=dvt.dtype)
     call = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),

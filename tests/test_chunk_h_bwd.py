@@ -206,3 +206,37 @@ def test_bf16_keys():
     got = interpret_vjp(primals, cotangents, **kw)
     assert got[0].dtype == jnp.bfloat16
     check(got, xla_vjp(primals, cotangents, **kw), primals, tol=1e-2)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=_case_id)
+def test_bfloat16_dots(case):
+    # The op's configuration for 16-bit inputs: k, w, h and v_new in bf16, both kernels' dots on
+    # bf16 operands, dvt, dS and dw passed through HBM in bf16 (dot_dtype). Against jax.vjp of
+    # the jnp scan in float32 on the same rounded k and w, to the half-input tolerance.
+    tokens, key_dim, value_dim, m, chunk_size, gated, segments, init = case
+    primals, cotangents, kw = make_inputs(tokens + 2 * m, tokens=tokens, key_dim=key_dim,
+                                          value_dim=value_dim, m=m, chunk_size=chunk_size,
+                                          gated=gated, segments=segments, init=init,
+                                          k_dtype=jnp.bfloat16)
+    k, w, u, g, runs, state0 = primals
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    w = w.astype(bf16).astype(f32)
+
+    @jax.jit
+    def kernels(k, w, u, g, runs, state0, cotangents):
+        h, v_new, _ = chunk_h_pallas(k, w.astype(bf16), u, g, runs, state0, interpret=True,
+                                     h_dtype=bf16, v_new_dtype=bf16, dot_dtype=bf16, **kw)
+        return chunk_h_bwd_pallas(k, w.astype(bf16), g, runs, h, v_new, *cotangents,
+                                  with_initial_state=state0 is not None, interpret=True,
+                                  dot_dtype=bf16, **kw)
+
+    got = kernels(k, w, u, g, runs, state0, cotangents)
+    want = xla_vjp((k.astype(f32), w, u, g, runs, state0), cotangents, **kw)
+    assert got[1].dtype == bf16 and got[2].dtype == bf16          # dw, du
+    assert got[0].dtype == f32                                     # dk, summed on in float32
+    for name, x, ref in zip(NAMES, got, want):
+        if ref is None:
+            assert x is None, name
+            continue
+        assert x.shape == ref.shape, (name, x.shape, ref.shape)
+        assert rel_err(x, ref) < 2e-2, (name, rel_err(x, ref))

@@ -32,6 +32,9 @@ def main():
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU logic check)")
     p.add_argument("--out", default=None)
+    p.add_argument("--walk-configs", default="",
+                   help="'bk,bv,warps;...': also time the reverse walk at these blocks and warps")
+    p.add_argument("--epilogue-warps", default="", help="comma-separated: also time walk_bwd at these")
     args = p.parse_args()
     import jax
     import jax.numpy as jnp
@@ -77,17 +80,30 @@ def main():
         k_p, v_p, beta_p, gamma, _, _, sub = _sub_grid_operands(k, v, beta, g, None, None, bt, M)
         _, _, _, (w, inverse, h_sub, v_new_p) = jax.jit(fwd_rule)(k, v, g, beta)
         per_chunk = bt * M // sub           # sub-chunks per token chunk: h's cotangent is per chunk
-        dh = jnp.full((B, h_sub.shape[1] // per_chunk) + h_sub.shape[2:], 1e-3, f32)
-        dv_new = jnp.full(v_new_p.shape, 1e-3, f32)
+        # h and v_new are 16-bit on this path, so their cotangents are too.
+        dh = jnp.full((B, h_sub.shape[1] // per_chunk) + h_sub.shape[2:], 1e-3, h_sub.dtype)
+        dv_new = jnp.full(v_new_p.shape, 1e-3, v_new_p.dtype)
         dfinal = jnp.zeros(h_sub.shape[:1] + h_sub.shape[2:], f32)
         stage_sets.append((k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal, inverse))
     walk = dict(chunk_size=sub, num_householder=1, with_initial_state=False,
-                interpret=args.interpret, subchunks=per_chunk)
+                interpret=args.interpret, subchunks=per_chunk, dot_dtype=dt)   # as _states_bwd
     timed("walk_bwd", lambda k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal, _:
           chunk_h_bwd_pallas(k_p, w, gamma, None, h_sub, v_new_p, dh, dv_new, dfinal, **walk),
           stage_sets)
     timed("walk_kernel", lambda k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal, _:
           chunk_h_bwd_walk(k_p, w, gamma, None, dh, dv_new, dfinal, **walk), stage_sets)
+    for config in filter(None, args.walk_configs.split(";")):
+        bk, bv, warps = (int(x) for x in config.split(","))
+        timed(f"walk_kernel[bk{bk},bv{bv},w{warps}]",
+              lambda k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal, _, bk=bk,
+              bv=bv, warps=warps: chunk_h_bwd_walk(k_p, w, gamma, None, dh, dv_new, dfinal,
+                                                  block_k=bk, block_v=bv, num_warps=warps, **walk),
+              stage_sets)
+    for warps in (int(x) for x in args.epilogue_warps.split(",") if x):
+        timed(f"walk_bwd[epilogue w{warps}]",
+              lambda k_p, v_p, beta_p, gamma, w, h_sub, v_new_p, dh, dv_new, dfinal, _,
+              warps=warps: chunk_h_bwd_pallas(k_p, w, gamma, None, h_sub, v_new_p, dh, dv_new,
+                                              dfinal, epilogue_warps=warps, **walk), stage_sets)
     # Stand-in cotangents of the WY stage: w as dw, v_p as du (only the time matters).
     timed("wy_bwd_xla", lambda k_p, v_p, beta_p, gamma, w, *_: wy_bwd_xla(
         k_p, v_p, beta_p, gamma, None, w, v_p, chunk_size=sub), stage_sets)

@@ -89,11 +89,18 @@ from gdp_jax.chunk_h_pallas import decay_and_run_operands, stream_layout
 _LN2 = math.log(2.0)
 
 
-def default_blocks(key_dim: int, value_dim: int, chunk_size: int) -> tuple[int, int, int]:
-    """(block_k, block_v, num_warps) for K, V (padded to tile widths) and the chunk size.
+def default_blocks(key_dim: int, value_dim: int, chunk_size: int,
+                   dot_dtype=jnp.float32) -> tuple[int, int, int]:
+    """(block_k, block_v, num_warps) for K, V (padded to tile widths), the chunk size and the dots'
+    operand dtype.
 
-    Not yet measured on a GPU: chosen by compiling the kernel's Triton IR (lowered by jax 0.10.2
-    on CPU) offline with pip triton 3.9 for sm_90a and reading ptxas' register counts. All tiles
+    16-bit dots (the op's choice for 16-bit inputs), K <= 128: the whole K in one block and 64
+    value columns, 4 warps. Measured on an H200 (benchmarks/profile_full_bwd.py --walk-configs,
+    sub-chunk walk of B=8 T=4096 H=16 K=V=128 M=2 bf16, ms): (BK, BV, warps) = (128, 64, 4) 0.771;
+    (64, 64, 4) 0.930; (64, 32, 2) 1.004; (128, 32, 4) 1.281; (64, 32, 4) (the float32 choice
+    below) 1.522; 8 warps 1.33-1.82. Wider K keeps the float32 table (not measured in 16 bits).
+
+    Float32 dots: chosen by compiling the kernel's Triton IR (lowered by jax 0.10.2 on CPU) offline with pip triton 3.9 for sm_90a and reading ptxas' register counts. All tiles
     are float32. Registers go less to the data tiles than to the hoisted address tensors of every
     load/store site, so smaller blocks (more sites) do not help: BK = 32 spills where BK = 64 does
     not. Measured (regs/thread, spill bytes; chunk 64 unless noted, M = 2):
@@ -104,8 +111,11 @@ def default_blocks(key_dim: int, value_dim: int, chunk_size: int) -> tuple[int, 
     chain of dots per chunk), so narrower value blocks, i.e. more programs, are preferred.
     """
     kp, vp = tile_width(key_dim), tile_width(value_dim)
+    warps = 8 if chunk_size >= 128 else 4
+    if jnp.dtype(dot_dtype).itemsize == 2 and kp <= 128:
+        return kp, min(vp, 64), warps
     block_v = min(vp, 32 if kp <= 128 else 16)
-    return min(kp, 64), block_v, 8 if chunk_size >= 128 else 4
+    return min(kp, 64), block_v, warps
 
 
 def _decay_coefficients(g, segment, is_last):
@@ -218,7 +228,7 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     pad_t = num_chunks * chunk_size - tokens
     t_pad = tokens + pad_t
     kp, vp = tile_width(key_dim), tile_width(value_dim)
-    bk, bv, warps = default_blocks(key_dim, value_dim, chunk_size)
+    bk, bv, warps = default_blocks(key_dim, value_dim, chunk_size, dot_dtype)
     block_k, block_v, num_warps = block_k or bk, block_v or bv, num_warps or warps
     for name, block, width in (("block_k", block_k, kp), ("block_v", block_v, vp)):
         if width % block or block < 16 or block & (block - 1):
@@ -295,7 +305,8 @@ def _epilogue_kernel(*refs, num_householder: int, chunk_size: int, block_k: int,
         segment = (run, jnp.min(run), jnp.max(run))                       # runs never decrease
     coeff, carry_in = _decay_coefficients(g, segment, is_last)
 
-    def one_copy(m, z_sum):
+    def one_copy(m, carry):
+        z_sum, hds = carry
         z = jnp.zeros((chunk_size,), f32)
         for kb in key_blocks:
             dw = jnp.zeros((chunk_size, block_k), f32)
@@ -303,24 +314,24 @@ def _epilogue_kernel(*refs, num_householder: int, chunk_size: int, block_k: int,
             for vb in value_blocks:
                 dvt = dvt_ref[:, m, vb].astype(dot_dtype)                  # [BT, BV]
                 v_new = v_new_ref[:, m, vb].astype(dot_dtype)
-                dw -= plgpu.dot(dvt, h_ref[kb, vb].astype(dot_dtype), trans_b=True)   # -dvt h^T
-                dkd += plgpu.dot(v_new, dstate_ref[kb, vb].astype(dot_dtype),
-                                 trans_b=True)                                     # v_new dS^T
+                h, ds = h_ref[kb, vb], dstate_ref[kb, vb]
+                dw -= plgpu.dot(dvt, h.astype(dot_dtype), trans_b=True)      # -dvt h^T
+                dkd += plgpu.dot(v_new, ds.astype(dot_dtype), trans_b=True)  # v_new dS^T
+                if has_g:   # h o dS from the tiles loaded for the dots (first copy only),
+                    hds += jnp.where(m == 0, h.astype(f32) * ds.astype(f32), 0.0)   # summed once
             dw_ref[:, m, kb] = dw.astype(dw_ref.dtype)
             dk_ref[:, m, kb] = coeff[:, None] * dkd
             z += jnp.sum(k_ref[:, m, kb].astype(f32) * dkd, axis=1)
-        return z_sum + _LN2 * coeff * z                                    # z_j, summed over copies
+        return z_sum + _LN2 * coeff * z, hds                               # z_j, summed over copies
 
     z_sum = jnp.zeros((chunk_size,), f32)
+    hds = jnp.zeros((block_k, block_v), f32)
     if num_householder == 1:
-        z_sum = one_copy(0, z_sum)
+        z_sum, hds = one_copy(0, (z_sum, hds))
     else:
-        z_sum = jax.lax.fori_loop(0, num_householder, one_copy, z_sum)
+        z_sum, hds = jax.lax.fori_loop(0, num_householder, one_copy, (z_sum, hds))
     if has_g:
-        frobenius = jnp.float32(0.0)                                      # <h[c], dS_c>
-        for kb in key_blocks:
-            for vb in value_blocks:
-                frobenius += jnp.sum(h_ref[kb, vb].astype(f32) * dstate_ref[kb, vb].astype(f32))
+        frobenius = jnp.sum(hds)                                          # <h[c], dS_c>
         y = _LN2 * carry_in * frobenius
         dgamma_ref[...] = -z_sum + jnp.where(is_last, jnp.sum(z_sum) + y, 0.0)
 

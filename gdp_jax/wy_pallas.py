@@ -100,17 +100,24 @@ def _wy_kernel(*refs, sub_chunk: int, has_g: bool, has_segments: bool, f32_input
 
     a = {(i, l): a_block(i, l) for i in range(nb) for l in range(i + 1)}
 
-    def substitute(step, ts):                 # row `step` of every diagonal block's inverse
-        out = []
-        for i in range(nb):
-            a_row = jnp.sum(jnp.where(r16 == step, a[i, i], 0.0), axis=0)  # A_ii[step, :]
-            new_row = -jnp.sum(a_row[:, None] * ts[i], axis=0)             # -sum_c A[step, c] T[c, :]
-            out.append(ts[i] + jnp.where(r16 == step, new_row[None, :], 0.0))
-        return tuple(out)
+    # The nb diagonal blocks are substituted together, as one [nb, 16, 16] array: each step is one
+    # row extraction and one reduction for all blocks rather than one per block (on an H200 at
+    # B=8 T=4096 H=16 K=V=128 M=2 bf16, 0.829 -> 0.742 ms; benchmarks/exp_wy_variants.py).
+    stacked = (nb, _BLOCK, _BLOCK)
+    block_of = jax.lax.broadcasted_iota(jnp.int32, stacked, 0)
+    r3 = jax.lax.broadcasted_iota(jnp.int32, stacked, 1)
+    c3 = jax.lax.broadcasted_iota(jnp.int32, stacked, 2)
+    a_diag = jnp.zeros(stacked, f32)
+    for i in range(nb):
+        a_diag = jnp.where(block_of == i, a[i, i][None, :, :], a_diag)
 
-    eye = (r16 == c16).astype(f32)
-    diag = jax.lax.fori_loop(1, _BLOCK, substitute, tuple(eye for _ in range(nb)))
-    t = {(i, i): diag[i] for i in range(nb)}
+    def substitute(step, t_diag):             # row `step` of every diagonal block's inverse
+        a_row = jnp.sum(jnp.where(r3 == step, a_diag, 0.0), axis=1)        # A_ii[step, :], [nb, 16]
+        new_row = -jnp.sum(a_row[:, :, None] * t_diag, axis=1)             # -sum_c A[step, c] T[c, :]
+        return t_diag + jnp.where(r3 == step, new_row[:, None, :], 0.0)
+
+    t_diag = jax.lax.fori_loop(1, _BLOCK, substitute, (r3 == c3).astype(f32))
+    t = {(i, i): jnp.sum(jnp.where(block_of == i, t_diag, 0.0), axis=0) for i in range(nb)}
     hdot = functools.partial(plgpu.dot, precision=_HIGHEST)
     inverse_dot = functools.partial(plgpu.dot, precision=None) if tf32_inverse else hdot
     for i in range(1, nb):

@@ -6,8 +6,10 @@
 Each variant changes one part of the kernel (the diagonal blocks' substitution, the off-diagonal
 blocks of the inverse, the application of the inverse, the warps) and is timed like tune_states.py
 (bench_common.time_jax, 3 rotated input sets). Attribution variants ("skip ...") compute wrong w, u
-on purpose and say so; the others print their largest difference from the production kernel. With
---fla, fla's forward is profiled per kernel (torch.profiler) on the same shape.
+on purpose and say so; the others print their largest difference from the production kernel
+(wy_pallas, which since commit da327b0 runs the "stacked" substitution; the variants' base is the
+per-block "reduce" one it replaced). With --fla, fla's forward is profiled per kernel
+(torch.profiler) on the same shape. Results: benchmarks/RESULTS.md, sixth session.
 """
 from __future__ import annotations
 
@@ -263,7 +265,7 @@ def main():
         log("production FAILED", short_exc(e))
     base = dict(subst="reduce", offdiag=True, apply="full", hoist=False, warps=2)
     variants = {
-        "copy of production": {},
+        "per-block substitution (production before da327b0)": {},
         "subst by dot (ieee)": dict(subst="dot"),
         "subst by dot (tf32x3)": dict(subst="dot_x3"),
         "hoisted rhs": dict(hoist=True),

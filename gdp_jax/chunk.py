@@ -170,6 +170,15 @@ def _work_dtype(dtype):
     return dtype if jnp.dtype(dtype).itemsize == 2 else jnp.float32
 
 
+def _walk_bwd_dot_dtype(dtype):
+    """The state walk's backward takes bfloat16 dot operands (and passes dvt, dS and dw through
+    HBM in bfloat16) for bfloat16 inputs, as fla does; float32 (TF32 dots) otherwise. Not float16:
+    the state's cotangent dS sums the cotangents of a whole row and can outgrow float16's range
+    (65504), where bfloat16 keeps float32's exponent. The forward walk's float16 dots round only
+    what it stores in float16 anyway (h, v_new)."""
+    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
+
+
 def _wy_bwd_kernel_used(dtype, interpret: bool) -> bool:
     """Whether _states_bwd runs wy_bwd_pallas (which needs the forward's inverses): for 16-bit
     inputs, and always in the interpreter; compiled float32 inputs take wy.wy_bwd_xla."""
@@ -264,7 +273,7 @@ def _states_bwd(config, residuals, cotangents):
     dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
         k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh), dv_new_p, pad_state(dfinal),
         chunk_size=sub, num_householder=1, with_initial_state=initial_state is not None,
-        interpret=interpret, subchunks=per_chunk, dot_dtype=_work_dtype(k.dtype))
+        interpret=interpret, subchunks=per_chunk, dot_dtype=_walk_bwd_dot_dtype(k.dtype))
 
     # The WY stage's VJP per sub-chunk: the kernel with TF32 tensor-core dots for 16-bit inputs
     # (their gradients carry bf16/fp16 rounding anyway; 1.7 ms on an H200 at B=8 T=4096 H=16

@@ -374,13 +374,15 @@ def test_pallas_takes_the_jnp_stages_beyond_the_kernels_widths():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
 
 
-def test_interpret_bfloat16_gradients():
-    """bf16 inputs through the Pallas path's custom_vjps (interpreted): 16-bit cotangents of h and
-    v_new enter the reverse walk as they are, and the WY VJP kernel adds the walk's dk and rounds
-    dk, dv to bf16 itself. Against the xla path in float32 on the same rounded inputs."""
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_interpret_16_bit_gradients(dtype):
+    """16-bit inputs through the Pallas path's custom_vjps (interpreted): 16-bit cotangents of h and
+    v_new enter the reverse walk as they are, the walks' dots take 16-bit operands (the backward's
+    only for bf16), and the WY VJP kernel adds the walk's dk and rounds dk, dv to the inputs'
+    dtype itself. Against the xla path in float32 on the same rounded inputs."""
     p = make_full_problem(52, batch=1, tokens=40, heads=2, key_dim=16, value_dim=32, m=2,
                           chunk_size=16, gated=True, initial_state=True, segments=True,
-                          dtype=jnp.bfloat16)
+                          dtype=dtype)
     do = jnp.asarray(np.random.default_rng(7).normal(size=p["ref"]["o"].shape), jnp.float32)
     names = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -393,8 +395,7 @@ def test_interpret_bfloat16_gradients():
         primals = [p[n].astype(dtype) if n in "qkv" else p[n] for n in names]
         return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*primals)
 
-    for name, got, want in zip(names, grads("interpret", jnp.bfloat16),
-                               grads("xla", jnp.float32)):
+    for name, got, want in zip(names, grads("interpret", dtype), grads("xla", jnp.float32)):
         assert got.dtype == p[name].dtype, name
         assert rel_err(got, want) < TOL[jnp.bfloat16], (name, rel_err(got, want))
 

@@ -60,8 +60,8 @@ are a real inner ``lax.fori_loop`` (dynamic index on the copy axis), not unrolle
 copy gets its own load/store sites whose address tensors the compiler hoists out of the chunk loop
 and keeps live (K = V = 128, M = 2: 255 registers and spills unrolled, 224 and none as a loop; see
 ``default_blocks``). Dots take ``dot_dtype`` operands with float32 accumulation: float32 (tf32
-on the GPU) by default, the inputs' 16-bit dtype in the op for 16-bit inputs, like the forward
-walk; dvt, dS and dw then pass through HBM in 16 bits too. Reset flags and chunk-end
+on the GPU) by default, bfloat16 in the op for bfloat16 inputs, like the forward walk; dvt, dS
+and dw then pass through HBM in 16 bits too (not float16: see chunk._walk_bwd_dot_dtype). Reset flags and chunk-end
 values come from reductions over the chunk's vectors, not scalar loads: runs never decrease along T,
 so run_first = min(run), run_last = max(run), and the reset between chunk c-1 and c is applied one
 iteration later (when chunk c-1's runs are loaded), comparing with chunk c's run_first carried in
@@ -94,14 +94,15 @@ def default_blocks(key_dim: int, value_dim: int, chunk_size: int,
     """(block_k, block_v, num_warps) for K, V (padded to tile widths), the chunk size and the dots'
     operand dtype.
 
-    16-bit dots (the op's choice for 16-bit inputs), K <= 128: the whole K in one block and 64
+    16-bit dots (the op's choice for bfloat16 inputs), K <= 128: the whole K in one block and 64
     value columns, 4 warps. Measured on an H200 (benchmarks/profile_full_bwd.py --walk-configs,
     sub-chunk walk of B=8 T=4096 H=16 K=V=128 M=2 bf16, ms): (BK, BV, warps) = (128, 64, 4) 0.771;
     (64, 64, 4) 0.930; (64, 32, 2) 1.004; (128, 32, 4) 1.281; (64, 32, 4) (the float32 choice
     below) 1.522; 8 warps 1.33-1.82. Wider K keeps the float32 table (not measured in 16 bits).
 
-    Float32 dots: chosen by compiling the kernel's Triton IR (lowered by jax 0.10.2 on CPU) offline with pip triton 3.9 for sm_90a and reading ptxas' register counts. All tiles
-    are float32. Registers go less to the data tiles than to the hoisted address tensors of every
+    Float32 dots: chosen by compiling the kernel's Triton IR (lowered by jax 0.10.2 on CPU)
+    offline with pip triton 3.9 for sm_90a and reading ptxas' register counts. All tiles are
+    float32. Registers go less to the data tiles than to the hoisted address tensors of every
     load/store site, so smaller blocks (more sites) do not help: BK = 32 spills where BK = 64 does
     not. Measured (regs/thread, spill bytes; chunk 64 unless noted, M = 2):
       K = V = 128, BK 64: BV 32 4 warps 224/0, BV 64 253/0 (half the programs), BV 32 BK 32 255/24;
@@ -353,8 +354,8 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     the epilogue kernel runs one program per (head, chunk, batch row) with ``epilogue_warps``.
     ``dot_dtype`` (default float32, TF32 on the GPU) is the dtype both kernels round their dots'
     operands to (float32 accumulation, float32 carried state), and the dtype of the intermediates
-    they pass through HBM (dvt, the per-chunk dS) and of dw, du. The op passes its 16-bit inputs'
-    dtype, as flash-linear-attention's backward keeps these in 16 bits.
+    they pass through HBM (dvt, the per-chunk dS) and of dw, du. The op passes bfloat16 for
+    bfloat16 inputs, as flash-linear-attention's backward keeps these in 16 bits.
     ``subchunks`` > 1 (chunk_h_pallas's): dh [B, NT / subchunks, H, K, V] holds the cotangents of
     the states stored before every ``subchunks``-th chunk, while h (the residual) holds all NT
     chunks' states; T must then be a multiple of chunk_size * subchunks (chunk_h_bwd_walk). The

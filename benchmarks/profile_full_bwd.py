@@ -13,8 +13,8 @@ bench_common.time_jax (2 rotated input sets), every function jitted:
   walk_kernel:   the reverse-walk kernel alone;
   wy_bwd_xla:    the WY stage's VJP in XLA (wy.wy_bwd_xla); wy_autodiff: jax.vjp of wy.wy_xla;
   wy_bwd_pallas[...]: the Pallas WY VJP kernel (wy_bwd_pallas.py) at a few launch configs
-                 (warps, column block, stages), TF32 dots; the op uses 4 warps, 64 columns,
-                 1 stage for 16-bit inputs.
+                 (warps, column block, stages), TF32 dots or bf16 operands; the op uses
+                 4 warps, 64 columns, 1 stage, TF32 for 16-bit inputs.
 Cotangents are small constants: only the times matter. Nothing is asserted.
 """
 from __future__ import annotations
@@ -116,9 +116,14 @@ def main():
 
     # num_stages 2-3 software-pipeline the column loops' loads (cp.async in the sm_90a build,
     # seen offline); "highest" (IEEE float32 dots) was 23-111 ms here, so it is not swept again.
-    for warps, cols, stages in [(4, 64, 1), (4, 32, 1), (4, 64, 2), (4, 32, 2), (4, 64, 3)]:
-        launch = dict(num_warps=warps, block_cols=cols, num_stages=stages, precision=None)
-        timed(f"wy_bwd_pallas[w{warps},c{cols},s{stages}]",
+    # "bf16": every dot's operands rounded to bfloat16 (operand_dtype), as fla's WY backward does.
+    for warps, cols, stages, operands in [
+            (4, 64, 1, None), (4, 32, 1, None), (4, 64, 2, None), (4, 32, 2, None), (4, 64, 3, None),
+            (4, 64, 1, "bf16"), (4, 32, 1, "bf16"), (4, 128, 1, "bf16"), (8, 64, 1, "bf16"),
+            (4, 64, 2, "bf16")]:
+        launch = dict(num_warps=warps, block_cols=cols, num_stages=stages, precision=None,
+                      operand_dtype=None if operands is None else jnp.bfloat16)
+        timed(f"wy_bwd_pallas[w{warps},c{cols},s{stages}{',' + operands if operands else ''}]",
               lambda k_p, v_p, beta_p, gamma, w, *rest, launch=launch: wy_bwd_pallas(
                   k_p, v_p, beta_p, gamma, None, rest[-1], w, v_p, sub_chunk=sub,
                   interpret=args.interpret, **launch), stage_sets)

@@ -72,7 +72,7 @@ _LN2 = math.log(2.0)
 
 
 def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segments: bool,
-                   has_dk_in: bool, precision):
+                   has_dk_in: bool, precision, operand_dtype):
     k_ref, v_ref, beta_ref, *refs = refs
     gamma_ref = refs.pop(0) if has_g else None
     runs_ref = refs.pop(0) if has_segments else None
@@ -82,7 +82,10 @@ def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segm
     dgamma_ref = refs.pop(0) if has_g else None
     assert not refs
     f32 = jnp.float32
-    dot = functools.partial(plgpu.dot, precision=precision)
+    if operand_dtype is None:
+        dot = functools.partial(plgpu.dot, precision=precision)
+    else:   # 16-bit operands (float32 accumulation): T, M, F and the scaled tiles rounded once more
+        dot = lambda a, b, **kw: plgpu.dot(a.astype(operand_dtype), b.astype(operand_dtype), **kw)
 
     def column_loop(ref, body, init):
         """fori_loop over ref's last axis in ``block_cols``-wide blocks: body(cols, carry) -> carry.
@@ -152,7 +155,7 @@ def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segm
 def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
                   interpret: bool = False, num_warps: int = 4, num_stages: int = 1,
                   block_cols: int = 64, precision=_HIGHEST, dk_accumulate=None,
-                  out_dtype=jnp.float32):
+                  out_dtype=jnp.float32, operand_dtype=None):
     """(dk [B, P, H, K], dv [B, P, H, V], dbeta [B, P, H], dgamma [B, P, H] or None): the VJP of
     wy_pallas's (w, u) in (k, v, beta, gamma), given cotangents dw, du. dk and dv come in
     ``out_dtype`` (float32 by default), dbeta and dgamma in float32.
@@ -165,8 +168,11 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
     (16, 32 or 64); K and V powers of two >= 16 (the caller pads with zeros, as for wy_pallas).
 
     ``precision`` is that of every dot (float32 operands): HIGHEST is IEEE float32 (FMA loops on
-    the GPU), None lets Triton use TF32 tensor cores. ``block_cols`` (a power of two >= 16) is the
-    width of the column blocks the K and V passes step through.
+    the GPU), None lets Triton use TF32 tensor cores. ``operand_dtype`` (None, or bfloat16 /
+    float16) instead rounds every dot's operands to that dtype, float32 accumulation, as fla's
+    WY backward does (T, M = dw Rw^T + du Ru^T and F are then rounded once more each). Not yet
+    timed on a GPU; the op does not use it. ``block_cols`` (a power of two >= 16) is the width of
+    the column blocks the K and V passes step through.
 
     ``dk_accumulate`` ([B, P, H, K], any float dtype, or None) is added to dk in float32 before it
     is rounded to ``out_dtype``: the op passes the state walk's share of dk, so the sum and the
@@ -213,7 +219,9 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
         out_specs.append(per_position)
     kernel = functools.partial(_wy_bwd_kernel, sub_chunk=sub_chunk, block_cols=block_cols,
                                has_g=gamma is not None, has_segments=runs is not None,
-                               has_dk_in=dk_accumulate is not None, precision=precision)
+                               has_dk_in=dk_accumulate is not None, precision=precision,
+                               operand_dtype=None if operand_dtype is None
+                               else jnp.dtype(operand_dtype))
     call = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),

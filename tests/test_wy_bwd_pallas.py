@@ -180,6 +180,20 @@ def test_column_blocks(sub_chunk, block_cols):
     _check(primals, cotangents, sub_chunk, TOL[np.float32], block_cols=block_cols)
 
 
+def test_16_bit_operands():
+    """operand_dtype=bfloat16 rounds every dot's operands (T, M, F and the scaled tiles once more
+    than the inputs), so it is held to the half-input tolerance against float64, not float32's."""
+    sub_chunk = 64
+    primals, cotangents = _inputs(43, sub_chunk=sub_chunk, num_sub_chunks=2, key_dim=32,
+                                  value_dim=64, gated=True, segments=True, dtype=jnp.bfloat16)
+    inverse = _forward_inverse(primals, sub_chunk)
+    got = wy_bwd_pallas(*primals, inverse, *cotangents, sub_chunk=sub_chunk, interpret=True,
+                        operand_dtype=jnp.bfloat16)
+    for name, x, want in zip(NAMES, got, _reference_f64(primals, cotangents, sub_chunk)):
+        assert x.dtype == jnp.float32, name
+        assert rel_err(x, want) < 2e-2, (name, rel_err(x, want))
+
+
 def test_dk_accumulate_and_16_bit_outputs():
     """dk_accumulate is added to dk in float32 and dk, dv come rounded to out_dtype (the op passes
     the state walk's dk and the inputs' dtype); dbeta, dgamma stay float32 and unchanged."""

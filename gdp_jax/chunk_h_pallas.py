@@ -141,7 +141,8 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     f32 = jnp.float32
 
     # Measured on an H200 (tune_states.py, sub-chunk walk, B=8 T=4096 H=16 K=V=128 M=2 bf16):
-    # block_v 64 with 4 warps 0.78 ms; block_v 32: 1.03 (2 warps) / 1.23 (4); block_v 16: >= 1.6.
+    # block_v 64 with 4 warps 0.505 ms with bf16 dots (0.733 TF32); block_v 32: 0.734 / 0.687
+    # (2 / 4 warps, bf16 dots), 0.99 / 1.11 (TF32); block_v 16 (TF32): >= 1.6.
     block_v = block_v or min(vp, 64)
     operands = [stream_layout(x, width, pad_t, m) for x, width in ((k, kp), (w, kp), (u, vp))]
     t_pad = tokens + pad_t

@@ -176,7 +176,8 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
 
     Defaults measured on an H200 (benchmarks/tune_states.py, B=8 T=4096 H=16 K=V=128 M=2 bf16):
     2 warps with half_apply 1.07 ms; 4 warps 1.63 ms; float32 apply 2.66 ms (4 warps) to 4.75 ms
-    (2 warps). The program's serial part (the 15 substitution steps) favours small programs.
+    (2 warps). The program's serial part (the 15 substitution steps) favours small programs. With
+    the TF32 inverse and the stacked substitution since, 2 warps take 0.74 ms.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]

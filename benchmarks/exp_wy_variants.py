@@ -224,7 +224,7 @@ def main():
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--fla", action="store_true")
     p.add_argument("--interpret", action="store_true")
-    p.add_argument("--only", default="", help="comma-separated variant names")
+    p.add_argument("--only", default="", help="semicolon-separated variant names (names hold commas)")
     args = p.parse_args()
     import jax
     import jax.numpy as jnp
@@ -280,7 +280,7 @@ def main():
         "apply diag only [wrong]": dict(apply="diag"),
         "only loads+gram+apply diag [wrong]": dict(subst="none", offdiag=False, apply="diag"),
     }
-    only = set(filter(None, args.only.split(",")))
+    only = set(filter(None, args.only.split(";")))
     rel = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
                   / jnp.max(jnp.abs(b.astype(jnp.float32))))
     for name, change in variants.items():

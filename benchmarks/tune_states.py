@@ -32,8 +32,9 @@ def main():
                         "the walk's loads: cp.async, seen in the sm_90a build offline)")
     p.add_argument("--walk-blocks", default="16,32,64", help="comma-separated block_v for the chunk_h sweep")
     p.add_argument("--walk-warps", default="2,4,8", help="comma-separated num_warps for the chunk_h sweep")
-    p.add_argument("--walk-dot-dtypes", default="float32",
-                   help="comma-separated dot_dtype values for the chunk_h sweep (float32, bfloat16)")
+    p.add_argument("--walk-dot-dtypes", default="bfloat16",
+                   help="comma-separated dot_dtype values for the chunk_h sweep (bfloat16, as the op "
+                        "runs bf16 inputs; float32: TF32 dots)")
     p.add_argument("--tf32-inverse", default="0", help="comma-separated tf32_inverse values (0, 1); "
                    "with 1, w and u's relative error against the IEEE inverse is printed too")
     args = p.parse_args()

@@ -117,8 +117,12 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     else:
         # g enters in float32, so its cotangent is rounded to g's dtype once (as on the xla path).
         g32 = None if g is None else g.astype(jnp.float32)
-        h, v_new, final_state = _states(k, v, beta, g32, runs, initial_state,
-                                        (chunk_size, m, implementation == "interpret"))
+        # k reaches the output stage through _states (an identity output), so the output stage's
+        # share of dk arrives in _states' backward and is summed there inside a kernel, not by
+        # XLA where k fans out (one pass over three k-sized arrays, 0.18 ms on an H200 at
+        # B=8 T=4096 H=16 K=V=128 M=2 bf16).
+        h, v_new, final_state, k = _states(k, v, beta, g32, runs, initial_state,
+                                           (chunk_size, m, implementation == "interpret"))
     # The output stage takes v_new in the inputs' dtype (as flash-linear-attention does) and h in
     # float32 (jnp path) or the inputs' dtype when they are 16-bit (Pallas path, as fla does: it
     # halves the bytes h costs); it accumulates in float32 either way.
@@ -229,9 +233,11 @@ def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_h
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _states(k, v, beta, g, runs, initial_state, config):
+    """(h, v_new, final_state, k): _states_pallas's results, and k itself, so that the cotangent
+    of k's other use (the output stage) enters _states_bwd."""
     chunk_size, m, interpret = config
     return _states_pallas(k, v, beta, g, runs, initial_state, chunk_size=chunk_size,
-                          num_householder=m, interpret=interpret)
+                          num_householder=m, interpret=interpret) + (k,)
 
 
 def _states_fwd(k, v, beta, g, runs, initial_state, config):
@@ -239,7 +245,7 @@ def _states_fwd(k, v, beta, g, runs, initial_state, config):
     h, v_new, final_state, saved = _states_pallas(
         k, v, beta, g, runs, initial_state, chunk_size=chunk_size, num_householder=m,
         interpret=interpret, every_sub_chunk=True)
-    return (h, v_new, final_state), (k, v, beta, g, runs, initial_state, saved)
+    return (h, v_new, final_state, k), (k, v, beta, g, runs, initial_state, saved)
 
 
 def _states_bwd(config, residuals, cotangents):
@@ -252,10 +258,12 @@ def _states_bwd(config, residuals, cotangents):
        kernel from the forward's inverses for 16-bit inputs (TF32 tensor-core dots), in XLA
        (wy.wy_bwd_xla) for float32 ones when compiled;
     3. the VJP of the expanded decays (gamma <- g, a cumsum) in jnp.
+    The cotangent of the k passed through (the output stage's share of dk) is added to dk inside
+    the WY VJP kernel, with the walk's share.
     """
     k, v, beta, g, runs, initial_state, (w, inverse, h_sub, v_new_p) = residuals
     chunk_size, m, interpret = config
-    dh, dv_new, dfinal = cotangents
+    dh, dv_new, dfinal, dk_through = cotangents
     positions, key_dim = k.shape[1], k.shape[3]
     value_dim = v.shape[-1]
     k_p, v_p, beta_p, gamma, runs_p, _, sub = _sub_grid_operands(
@@ -268,8 +276,9 @@ def _states_bwd(config, residuals, cotangents):
     # B=8 T=4096 H=16 K=V=128 M=2).
     pad_state = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 2)
                                   + [(0, kp - key_dim), (0, vp - value_dim)])
-    dv_new_p = jnp.pad(dv_new, ((0, 0), (0, padded_positions - positions), (0, 0),
-                                (0, vp - value_dim)))
+    pad_positions = lambda x, width: jnp.pad(
+        x, ((0, 0), (0, padded_positions - positions), (0, 0), (0, width - x.shape[-1])))
+    dv_new_p = pad_positions(dv_new, vp)
     dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
         k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh), dv_new_p, pad_state(dfinal),
         chunk_size=sub, num_householder=1, with_initial_state=initial_state is not None,
@@ -280,17 +289,18 @@ def _states_bwd(config, residuals, cotangents):
     # K=V=128 M=2). Float32 inputs need IEEE float32 dots, which on 64 x 64 tiles are FMA loops
     # that spill (23-110 ms there), so compiled they take wy.wy_bwd_xla (9.1 ms); the interpreter
     # runs the kernel for every dtype, so CPU tests check its logic.
-    # The kernel also adds the walk's share of dk and rounds dk and dv to the inputs' dtype itself,
-    # so neither the sum nor the casts is a separate pass over HBM.
+    # The kernel also adds the walk's and the output stage's shares of dk and rounds dk and dv to
+    # the inputs' dtype itself, so neither the sum nor the casts is a separate pass over HBM.
     if inverse is not None:
         precision = jax.lax.Precision.HIGHEST if jnp.dtype(k.dtype) == f32 else None
         wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
                                  precision=precision, interpret=interpret,
-                                 dk_accumulate=dk_walk, out_dtype=k.dtype)
+                                 dk_accumulate=(dk_walk, pad_positions(dk_through, kp)),
+                                 out_dtype=k.dtype)
         dk_p = wy_grads[0]
     else:
         wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)
-        dk_p = dk_walk + wy_grads[0]
+        dk_p = dk_walk + wy_grads[0] + pad_positions(dk_through, kp).astype(f32)
     dk = dk_p[:, :positions, :, :key_dim]
     dv = wy_grads[1][:, :positions, :, :value_dim]
     dbeta = wy_grads[2][:, :positions]

@@ -72,12 +72,12 @@ _LN2 = math.log(2.0)
 
 
 def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segments: bool,
-                   has_dk_in: bool, precision, operand_dtype):
+                   num_dk_in: int, precision, operand_dtype):
     k_ref, v_ref, beta_ref, *refs = refs
     gamma_ref = refs.pop(0) if has_g else None
     runs_ref = refs.pop(0) if has_segments else None
     inverse_ref, dw_ref, du_ref, *refs = refs
-    dk_in_ref = refs.pop(0) if has_dk_in else None
+    dk_in_refs, refs = refs[:num_dk_in], refs[num_dk_in:]
     dk_ref, dv_ref, dbeta_ref, *refs = refs
     dgamma_ref = refs.pop(0) if has_g else None
     assert not refs
@@ -140,7 +140,7 @@ def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segm
         p1 = dot(f, keys)
         p2 = dot(f, keys * beta[:, None], trans_a=True)
         dk = scale_w[:, None] * d_rhs + beta[:, None] * p1 + p2
-        if has_dk_in:
+        for dk_in_ref in dk_in_refs:
             dk += dk_in_ref[:, cols].astype(f32)
         dk_ref[:, cols] = dk.astype(dk_ref.dtype)
         return (k_dot_drw + jnp.sum(keys * d_rhs, axis=1), k_dot_p1 + jnp.sum(keys * p1, axis=1),
@@ -174,9 +174,9 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
     timed on a GPU; the op does not use it. ``block_cols`` (a power of two >= 16) is the width of
     the column blocks the K and V passes step through.
 
-    ``dk_accumulate`` ([B, P, H, K], any float dtype, or None) is added to dk in float32 before it
-    is rounded to ``out_dtype``: the op passes the state walk's share of dk, so the sum and the
-    cast cost no separate pass over HBM.
+    ``dk_accumulate`` ([B, P, H, K], any float dtype; a sequence of such arrays; or None) is added
+    to dk in float32 before it is rounded to ``out_dtype``: the op passes the state walk's and the
+    output stage's shares of dk, so neither the sum nor the cast costs a separate pass over HBM.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
@@ -188,9 +188,14 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
         raise ValueError(f"wy_bwd_pallas: {widths} must all be powers of two >= 16")
     if v.dtype != k.dtype or dw.shape != k.shape or du.shape != v.shape:
         raise ValueError("wy_bwd_pallas: k and v must share a dtype, dw match k's shape, du v's")
-    if dk_accumulate is not None and dk_accumulate.shape != k.shape:
-        raise ValueError(f"wy_bwd_pallas: dk_accumulate must match k's shape {k.shape}; "
-                         f"got {dk_accumulate.shape}")
+    if dk_accumulate is None:
+        dk_accumulate = ()
+    elif not isinstance(dk_accumulate, (tuple, list)):
+        dk_accumulate = (dk_accumulate,)
+    for extra in dk_accumulate:
+        if extra.shape != k.shape:
+            raise ValueError(f"wy_bwd_pallas: dk_accumulate must match k's shape {k.shape}; "
+                             f"got {extra.shape}")
     if inverse.shape != (batch, positions, heads, sub_chunk):
         raise ValueError(f"wy_bwd_pallas: inverse must be [B, P, H, S] = "
                          f"{(batch, positions, heads, sub_chunk)}; got {inverse.shape}")
@@ -207,9 +212,8 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
         in_specs.append(pl.BlockSpec((None, sub_chunk), lambda hd, s, b: (b, s)))
     operands += [inverse, dw, du]
     in_specs += [rows(sub_chunk), rows(key_dim), rows(value_dim)]
-    if dk_accumulate is not None:
-        operands.append(dk_accumulate)
-        in_specs.append(rows(key_dim))
+    operands += list(dk_accumulate)
+    in_specs += [rows(key_dim)] * len(dk_accumulate)
     out_shape = [jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads), f32)]
@@ -219,7 +223,7 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
         out_specs.append(per_position)
     kernel = functools.partial(_wy_bwd_kernel, sub_chunk=sub_chunk, block_cols=block_cols,
                                has_g=gamma is not None, has_segments=runs is not None,
-                               has_dk_in=dk_accumulate is not None, precision=precision,
+                               num_dk_in=len(dk_accumulate), precision=precision,
                                operand_dtype=None if operand_dtype is None
                                else jnp.dtype(operand_dtype))
     call = pl.pallas_call(

@@ -212,9 +212,17 @@ def test_dk_accumulate_and_16_bit_outputs():
     assert rel_err(got[0], dk) > 0.1                         # the extra term is really there
     assert rel_err(got[1], dv) < bf16_rounding
     assert rel_err(got[2], dbeta) < TOL[jnp.bfloat16] and rel_err(got[3], dgamma) < TOL[jnp.bfloat16]
+    # Several shares (the op passes the state walk's and the output stage's), any dtypes.
+    halves = (0.5 * extra, (0.5 * extra).astype(jnp.bfloat16))
+    got_two = wy_bwd_pallas(*primals, inverse, *cotangents, sub_chunk=sub_chunk, interpret=True,
+                            dk_accumulate=halves, out_dtype=jnp.bfloat16)
+    assert rel_err(got_two[0], dk + np.asarray(extra)) < bf16_rounding
     with pytest.raises(ValueError, match="dk_accumulate"):
         wy_bwd_pallas(*primals, inverse, *cotangents, sub_chunk=sub_chunk, interpret=True,
                       dk_accumulate=extra[:, :64])
+    with pytest.raises(ValueError, match="dk_accumulate"):
+        wy_bwd_pallas(*primals, inverse, *cotangents, sub_chunk=sub_chunk, interpret=True,
+                      dk_accumulate=(extra, extra[:, :64]))
 
 
 @pytest.mark.parametrize("sub_chunk,gated,segments", [(16, False, True), (64, True, True)])

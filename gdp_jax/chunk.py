@@ -218,14 +218,15 @@ def _states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_h
     # The walk's dots take 16-bit operands for 16-bit inputs (as fla's do; the state is carried
     # in float32): 0.73 -> 0.50 ms on an H200 at B=8 T=4096 H=16 K=V=128 M=2 bf16, moving h by
     # 1.8e-3 relative, about one bf16 rounding of the h it stores anyway.
-    h, v_new, final_state = chunk_h_pallas(
-        k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
-        subchunks=1 if every_sub_chunk else per_chunk, h_dtype=work_dtype,
-        v_new_dtype=v.dtype, dot_dtype=work_dtype, interpret=interpret)
+    # The forward rule's walk writes h at every sub-chunk too (the backward's residual), besides
+    # h at token-chunk boundaries: slicing the latter out of the former was a pass over HBM.
+    h, v_new, final_state, *h_sub = chunk_h_pallas(
+        k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1, subchunks=per_chunk,
+        h_dtype=work_dtype, v_new_dtype=v.dtype, dot_dtype=work_dtype, interpret=interpret,
+        every_chunk_too=every_sub_chunk)
     saved = None
-    if every_sub_chunk:
-        saved = (w, inverse[0] if inverse else None, h, v_new)   # h at every sub-chunk, v_new padded
-        h = h[:, ::per_chunk]
+    if every_sub_chunk:   # h at every sub-chunk (padded K, V), v_new padded
+        saved = (w, inverse[0] if inverse else None, h_sub[0], v_new)
     outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
                final_state[..., :key_dim, :value_dim])
     return (outputs + (saved,)) if every_sub_chunk else outputs

@@ -51,12 +51,15 @@ def decay_and_run_operands(g, runs, pad_tokens: int):
 
 
 def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: int, has_g: bool,
-                    has_segments: bool, has_initial_state: bool, subchunks: int, dot_dtype):
+                    has_segments: bool, has_initial_state: bool, subchunks: int, dot_dtype,
+                    every_chunk_too: bool):
     k_ref, w_ref, u_ref, *refs = refs
     g_ref = refs.pop(0) if has_g else None
     runs_ref = refs.pop(0) if has_segments else None
     h0_ref = refs.pop(0) if has_initial_state else None
-    h_ref, v_new_ref, final_ref = refs
+    h_ref, v_new_ref, final_ref, *refs = refs
+    h_every_ref = refs.pop(0) if every_chunk_too else None
+    assert not refs
     key_dim, block_v = h_ref.shape[-2], h_ref.shape[-1]
 
     if has_initial_state:
@@ -76,6 +79,8 @@ def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: in
             state = jnp.where(reset, 0.0, state)
         if h_index is not None:
             h_ref[h_index] = state.astype(h_ref.dtype)
+        if every_chunk_too:
+            h_every_ref[c] = state.astype(h_every_ref.dtype)
         if has_g:
             g = g_ref[rows]                             # [BT] chunk-local log2 decays
             g_last = g_ref[last]
@@ -113,7 +118,7 @@ def _chunk_h_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: in
 def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder: int,
                    interpret: bool = False, block_v: int | None = None, num_warps: int = 4,
                    num_stages: int = 1, subchunks: int = 1, h_dtype=jnp.float32,
-                   v_new_dtype=jnp.float32, dot_dtype=jnp.float32):
+                   v_new_dtype=jnp.float32, dot_dtype=jnp.float32, every_chunk_too: bool = False):
     """(h [B, NT, H, K, V] in ``h_dtype``, v_new [B, T*M, H, V] in ``v_new_dtype``, final_state
     [B, H, K, V] float32); both dtypes default to float32.
 
@@ -130,6 +135,9 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     h and v_new are written in ``h_dtype`` and ``v_new_dtype``; the state is carried in float32.
     ``dot_dtype`` is what the two dots' operands (w and the state; k and the decayed v_new) are
     rounded to, with float32 accumulation: float32 (TF32 on the GPU) by default.
+    ``every_chunk_too`` also returns the state before every chunk, [B, num_chunks, H, K, V] in
+    ``h_dtype``, as a fourth result (the full op's backward keeps it; with ``subchunks`` > 1, h is
+    then every ``subchunks``-th entry of it, written by the kernel rather than sliced out).
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = u.shape[-1]
@@ -161,23 +169,30 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
         _chunk_h_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
         has_g=g is not None, has_segments=runs is not None,
         has_initial_state=initial_state is not None, subchunks=subchunks,
-        dot_dtype=jnp.dtype(dot_dtype))
+        dot_dtype=jnp.dtype(dot_dtype), every_chunk_too=every_chunk_too)
+    states_spec = lambda count: pl.BlockSpec((None, count, None, kp, block_v),
+                                             lambda vb, hd, b: (b, 0, hd, 0, vb))
+    out_shape = [jax.ShapeDtypeStruct((batch, num_chunks // subchunks, heads, kp, vp), h_dtype),
+                 jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), v_new_dtype),
+                 jax.ShapeDtypeStruct((batch, heads, kp, vp), f32)]
+    out_specs = [states_spec(num_chunks // subchunks),
+                 pl.BlockSpec((None, t_pad, m, None, block_v), lambda vb, hd, b: (b, 0, 0, hd, vb)),
+                 pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb))]
+    if every_chunk_too:
+        out_shape.append(jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), h_dtype))
+        out_specs.append(states_spec(num_chunks))
     call = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, num_chunks // subchunks, heads, kp, vp), h_dtype),
-                   jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), v_new_dtype),
-                   jax.ShapeDtypeStruct((batch, heads, kp, vp), f32)),
+        out_shape=tuple(out_shape),
         grid=(vp // block_v, heads, batch),
         in_specs=in_specs,
-        out_specs=(pl.BlockSpec((None, num_chunks // subchunks, None, kp, block_v),
-                                lambda vb, hd, b: (b, 0, hd, 0, vb)),
-                   pl.BlockSpec((None, t_pad, m, None, block_v), lambda vb, hd, b: (b, 0, 0, hd, vb)),
-                   pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb))),
+        out_specs=tuple(out_specs),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gdp_chunk_h_fwd",
     )
     with triton_backend_warning_filtered():
-        h, v_new, final_state = call(*operands)
+        h, v_new, final_state, *h_every = call(*operands)
     v_new = v_new.reshape(batch, t_pad * m, heads, vp)[:, :positions, :, :value_dim]
-    return h[..., :key_dim, :value_dim], v_new, final_state[..., :key_dim, :value_dim]
+    results = (h[..., :key_dim, :value_dim], v_new, final_state[..., :key_dim, :value_dim])
+    return results + (h_every[0][..., :key_dim, :value_dim],) if every_chunk_too else results

@@ -192,6 +192,25 @@ def test_chunk_h_kernel_in_interpreter(case, dot_dtype):
     assert rel_err(final_state, p["ref"]["final_state"]) < tol
 
 
+def test_chunk_h_kernel_writes_every_chunk_too():
+    # every_chunk_too (the full op's forward rule): the state before every chunk as a fourth
+    # result, alongside h before every `subchunks`-th chunk; both equal the plain walk's h.
+    p = make_full_problem(61, tokens=64, key_dim=32, value_dim=16, m=2, chunk_size=16)
+    runs = segment_runs(p["segment_ids"])
+    g = chunk_local_log2_cumsum(p["g"], 16)
+    kw = dict(chunk_size=16, num_householder=2)
+    w, u = wy_xla(p["k"], p["v"], p["beta"], g, runs, **kw)
+    walk = lambda **extra: chunk_h_pallas(p["k"], w, u, g, runs, p["initial_state"],
+                                          interpret=True, block_v=16, **kw, **extra)
+    h_plain, v_new_plain, final_plain = walk()
+    h, v_new, final_state, h_every = walk(subchunks=2, every_chunk_too=True)
+    np.testing.assert_array_equal(np.asarray(h_every), np.asarray(h_plain))
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(h_plain[:, ::2]))
+    np.testing.assert_array_equal(np.asarray(v_new), np.asarray(v_new_plain))
+    np.testing.assert_array_equal(np.asarray(final_state), np.asarray(final_plain))
+    assert rel_err(h_every, p["ref"]["h"]) < 1e-5
+
+
 # implementation="interpret": the states' custom_vjp (sub-chunk kernels forward; reverse-walk kernel
 # and WY VJP backward) and chunk_o's Pallas backward. No g and no initial state exercise the None
 # plumbing of both VJPs; M = 3 at chunk 32 puts three sub-chunks in a token chunk, K != V.

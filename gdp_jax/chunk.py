@@ -294,8 +294,12 @@ def _states_bwd(config, residuals, cotangents):
     # the inputs' dtype itself, so neither the sum nor the casts is a separate pass over HBM.
     if inverse is not None:
         precision = jax.lax.Precision.HIGHEST if jnp.dtype(k.dtype) == f32 else None
+        # bfloat16 inputs: bfloat16 dot operands, as fla's WY backward (float16 keeps TF32: M and
+        # F are sums over a sub-chunk that float16's range may not hold).
+        operand_dtype = jnp.bfloat16 if jnp.dtype(k.dtype) == jnp.bfloat16 else None
         wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
-                                 precision=precision, interpret=interpret,
+                                 precision=precision, operand_dtype=operand_dtype,
+                                 interpret=interpret,
                                  dk_accumulate=(dk_walk, pad_positions(dk_through, kp)),
                                  out_dtype=k.dtype)
         dk_p = wy_grads[0]

@@ -96,6 +96,14 @@ def sweep(kd, vd, m, full):
     return out
 
 
+def parse_configs(text):
+    """'a=1,b=x;c=2' -> [{'a': 1, 'b': 'x'}, {'c': 2}] (ints and True/False converted)."""
+    def value(v):
+        return int(v) if v.lstrip("-").isdigit() else {"True": True, "False": False}.get(v, v)
+    return [dict((kv.split("=")[0], value(kv.split("=")[1])) for kv in part.split(","))
+            for part in text.split(";") if part]
+
+
 def fla_time(sets, m, scale):
     import torch
     from fla.ops.gated_delta_product.chunk_deltaproduct_o import chunk_gated_delta_product_fwd_o
@@ -121,6 +129,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="headline shape only")
     ap.add_argument("--fla", action="store_true", help="also time fla in this process")
     ap.add_argument("--only", default=None, help="comma-separated indices into SHAPES")
+    ap.add_argument("--configs", default=None,
+                    help="time these kernel_config overrides (after the default) instead of the "
+                         "sweep: 'key=value,...;key=value,...', e.g. 'copy_order=fused;num_warps=8'")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -135,7 +146,8 @@ def main():
         ref = jax.jit(lambda *a: chunk_o_xla(*a, **kw))(*sets[0]).astype(jnp.float32)
         label = f"B={b} T={t} H={h} K={kd} V={vd} M={m}" + (f" seg~{nseg}" if nseg else "")
         results = []
-        for over in [{}] + sweep(kd, vd, m, full=si == 0):
+        tried = parse_configs(args.configs) if args.configs else sweep(kd, vd, m, full=si == 0)
+        for over in [{}] + tried:
             cfg = kernel_config(kd, vd, 64, m, **over)
             fn = jax.jit(lambda *a, cfg=cfg: chunk_o_pallas(*a, config=cfg, **kw))
             try:

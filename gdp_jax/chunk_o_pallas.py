@@ -35,12 +35,17 @@ class KernelConfig:
     heads_fastest: bool            # launch order: neighbouring programs take neighbouring heads
     num_warps: int
     num_stages: int
+    # Order of a chunk's work (one value tile per program only): "scores_first" makes every copy's
+    # q·k scores, then q·h and the score·v dots; "fused" takes q·h, then each copy's score and its
+    # score·v dot in turn, so only one [BT, BT] score is live (M = 3 spills otherwise).
+    copy_order: str = "scores_first"
 
 
 def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int, *,
                   block_v: int | None = None, value_blocks_per_program: int | None = None,
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> KernelConfig:
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  copy_order: str | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     Measured on an H200 (jax 0.11.2, bf16, chunk 64, benchmarks/tune_chunk_o.py; RESULTS.md has
@@ -63,6 +68,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       wgmma (benchmarks/CODEGEN.md). So the order of the loads inside a program is not what holds
       the kernel below the floor.
     """
+    if copy_order not in (None, "scores_first", "fused"):
+        raise ValueError(f"copy_order must be 'scores_first' or 'fused', got {copy_order!r}")
     small = key_dim <= 64 and value_dim <= 64
     if block_v is None:
         block_v = min(value_dim, 128)
@@ -74,7 +81,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         chunks_per_program=chunks_per_program or (4 if small and chunk_size <= 64 else 1),
         heads_fastest=True if heads_fastest is None else heads_fastest,
         num_warps=num_warps or 4,
-        num_stages=num_stages or 2)
+        num_stages=num_stages or 2,
+        copy_order=copy_order or "scores_first")
 
 
 def _load_rows(ref, row_valid, other=0):
@@ -85,7 +93,8 @@ def _load_rows(ref, row_valid, other=0):
 
 def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, tokens: int,
                     num_chunks: int, chunks_per_program: int, block_v: int,
-                    value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool):
+                    value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool,
+                    copy_order: str = "scores_first"):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -118,29 +127,43 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
             row_weight = (jnp.where(live_at_c0, row_weight, 0.0) if has_g
                           else live_at_c0.astype(jnp.float32))
 
-        # Decayed, masked scores 2^(g[t]-g[s]) q[t]·k[s] of every Householder copy, computed once
-        # and reused for every value tile.
+        # Decayed, masked scores 2^(g[t]-g[s]) q[t]·k[s] of one Householder copy.
         if has_g:
             pair_weight = jnp.where(pair_mask, jnp.exp2(g[:, None] - g[None, :]), 0.0)
-        scores = []
-        for k_ref in k_refs:
+
+        def copy_score(k_ref):
             k = load_rows(k_ref.at[chunk_rows])                     # [BT, K]
             score = plgpu.dot(q, k, trans_b=True)                   # [BT, BT] f32
             score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
-            scores.append(score.astype(v_refs[0].dtype))
+            return score.astype(v_refs[0].dtype)
 
-        for j in range(value_blocks_per_program):
-            value_cols = pl.ds(j * block_v, block_v)
+        def state_term(value_cols):
             state = h_ref[i, :, value_cols]                         # [K, BV]
             dot_dtype = jnp.promote_types(q.dtype, state.dtype)
             # Carried-state term [same(t, c0)] 2^g[t] q[t]·h[c], the row weight applied in f32.
             o = plgpu.dot(q.astype(dot_dtype), state.astype(dot_dtype))   # [BT, BV] f32
-            if row_weight is not None:
-                o = o * row_weight[:, None]
-            for score, v_ref in zip(scores, v_refs):                # intra-chunk term, all M copies
-                o += plgpu.dot(score, load_rows(v_ref.at[chunk_rows, value_cols]))
+            return o if row_weight is None else o * row_weight[:, None]
+
+        def store(o, value_cols):
             plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
                         mask=row_valid[:, None])
+
+        if copy_order == "fused" and value_blocks_per_program == 1:
+            value_cols = pl.ds(0, block_v)
+            o = state_term(value_cols)
+            for k_ref, v_ref in zip(k_refs, v_refs):                # one score live at a time
+                o += plgpu.dot(copy_score(k_ref), load_rows(v_ref.at[chunk_rows, value_cols]))
+            store(o, value_cols)
+            return carry
+
+        # Every copy's scores once, reused for every value tile.
+        scores = [copy_score(k_ref) for k_ref in k_refs]
+        for j in range(value_blocks_per_program):
+            value_cols = pl.ds(j * block_v, block_v)
+            o = state_term(value_cols)
+            for score, v_ref in zip(scores, v_refs):                # intra-chunk term, all M copies
+                o += plgpu.dot(score, load_rows(v_ref.at[chunk_rows, value_cols]))
+            store(o, value_cols)
         return carry
 
     if chunks_per_program == 1:
@@ -202,7 +225,7 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
         _chunk_o_kernel, num_householder=m, scale=scale, chunk_size=chunk_size, tokens=tokens,
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
         value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
-        has_g=g is not None, has_segments=runs is not None)
+        has_g=g is not None, has_segments=runs is not None, copy_order=cfg.copy_order)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

@@ -485,6 +485,28 @@ def test_kernel_configs_in_interpreter(value_dim, m, segments):
     assert rel_err(o, p["o_ref"]) < TOL[np.float32]
 
 
+@pytest.mark.parametrize("m,segments,gated", [(3, True, True), (1, False, True), (2, True, False)])
+def test_fused_copy_order_in_interpreter(m, segments, gated):
+    """copy_order="fused" (each copy's score used right away) gives the same o as the default."""
+    from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
+    from gdp_jax.segments import segment_runs
+
+    key_dim, value_dim, chunk_size = 32, 48, 16
+    p = cached_problem(11 + m, batch=2, tokens=77, heads=2, key_dim=key_dim, value_dim=value_dim,
+                       m=m, chunk_size=chunk_size, gated=gated, segments=segments)
+    runs = None if p["segment_ids"] is None else segment_runs(p["segment_ids"])
+    # V = 48 pads to 64 outside the kernel; pad here the same way.
+    v = jnp.pad(p["v"], [(0, 0)] * 3 + [(0, 16)])
+    h = jnp.pad(p["h"], [(0, 0)] * 4 + [(0, 16)])
+    config = kernel_config(key_dim, 64, chunk_size, m, copy_order="fused")
+    o = jax.jit(functools.partial(
+        chunk_o_pallas, scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m,
+        interpret=True, config=config))(p["q"], p["k"], v, h, p["g"], runs)[..., :value_dim]
+    assert rel_err(o, p["o_ref"]) < TOL[np.float32]
+    with pytest.raises(ValueError, match="copy_order"):
+        kernel_config(key_dim, 64, chunk_size, m, copy_order="fast")
+
+
 @pytest.mark.parametrize("dtype,key_dim,value_dim,chunk_size,fits", [
     (np.float32, 256, 16, 128, False),      # 4-byte q, k tiles of 128 x 256: 256 KiB of shared memory
     (np.float32, 200, 16, 128, False),      # K pads to 256

@@ -487,7 +487,8 @@ def test_kernel_configs_in_interpreter(value_dim, m, segments):
 
 @pytest.mark.parametrize("m,segments,gated", [(3, True, True), (1, False, True), (2, True, False)])
 def test_fused_copy_order_in_interpreter(m, segments, gated):
-    """copy_order="fused" (each copy's score used right away) gives the same o as the default."""
+    """copy_order="fused" (each copy's score used right away; the default for M >= 3) against the
+    recurrence, forced for every M."""
     from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
     from gdp_jax.segments import segment_runs
 

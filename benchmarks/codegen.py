@@ -39,6 +39,8 @@ VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
     "K64": (4, 8192, 32, 64, 64, 2, {}),
     "K256": (2, 16384, 16, 256, 256, 2, {}),
     "M2_w8": (8, 4096, 16, 128, 128, 2, dict(num_warps=8)),
+    "M3_scores_first": (8, 4096, 16, 128, 128, 3, dict(copy_order="scores_first")),
+    "M2_fused": (8, 4096, 16, 128, 128, 2, dict(copy_order="fused")),
 }
 
 

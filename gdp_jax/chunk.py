@@ -256,7 +256,8 @@ def _states_bwd(config, residuals, cotangents):
        h at every sub-chunk and v_new, saved; h's cotangent enters at token-chunk boundaries)
        -> dk, dw, du, dgamma, dh0;
     2. the WY stage's VJP (w, u -> k, v, beta, gamma), per sub-chunk, with wy_bwd_pallas's
-       kernel from the forward's inverses for 16-bit inputs (TF32 tensor-core dots), in XLA
+       kernel from the forward's inverses for 16-bit inputs (tensor-core dots with bfloat16
+       operands for bfloat16 inputs, TF32 for float16, float32 accumulation), in XLA
        (wy.wy_bwd_xla) for float32 ones when compiled;
     3. the VJP of the expanded decays (gamma <- g, a cumsum) in jnp.
     The cotangent of the k passed through (the output stage's share of dk) is added to dk inside

@@ -174,12 +174,13 @@ def _work_dtype(dtype):
     return dtype if jnp.dtype(dtype).itemsize == 2 else jnp.float32
 
 
-def _walk_bwd_dot_dtype(dtype):
-    """The state walk's backward takes bfloat16 dot operands (and passes dvt, dS and dw through
-    HBM in bfloat16) for bfloat16 inputs, as fla does; float32 (TF32 dots) otherwise. Not float16:
-    the state's cotangent dS sums the cotangents of a whole row and can outgrow float16's range
-    (65504), where bfloat16 keeps float32's exponent. The forward walk's float16 dots round only
-    what it stores in float16 anyway (h, v_new)."""
+def _bwd_dot_dtype(dtype):
+    """The backward kernels of the states (the walk's VJP and the WY stage's VJP) take bfloat16
+    dot operands for bfloat16 inputs, as fla does (the walk's VJP then also passes dvt, dS and dw
+    through HBM in bfloat16); float32 (TF32 dots) otherwise. Not float16: the state's cotangent dS
+    sums the cotangents of a whole row, and the WY VJP's M and F sum over a sub-chunk, both able
+    to outgrow float16's range (65504), where bfloat16 keeps float32's exponent. The forward
+    walk's float16 dots round only what it stores in float16 anyway (h, v_new)."""
     return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
 
 
@@ -281,23 +282,24 @@ def _states_bwd(config, residuals, cotangents):
     pad_positions = lambda x, width: jnp.pad(
         x, ((0, 0), (0, padded_positions - positions), (0, 0), (0, width - x.shape[-1])))
     dv_new_p = pad_positions(dv_new, vp)
+    bwd_dot_dtype = _bwd_dot_dtype(k.dtype)
     dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
         k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh), dv_new_p, pad_state(dfinal),
         chunk_size=sub, num_householder=1, with_initial_state=initial_state is not None,
-        interpret=interpret, subchunks=per_chunk, dot_dtype=_walk_bwd_dot_dtype(k.dtype))
+        interpret=interpret, subchunks=per_chunk, dot_dtype=bwd_dot_dtype)
 
-    # The WY stage's VJP per sub-chunk: the kernel with TF32 tensor-core dots for 16-bit inputs
-    # (their gradients carry bf16/fp16 rounding anyway; 1.7 ms on an H200 at B=8 T=4096 H=16
-    # K=V=128 M=2). Float32 inputs need IEEE float32 dots, which on 64 x 64 tiles are FMA loops
-    # that spill (23-110 ms there), so compiled they take wy.wy_bwd_xla (9.1 ms); the interpreter
-    # runs the kernel for every dtype, so CPU tests check its logic.
+    # The WY stage's VJP per sub-chunk: the kernel with tensor-core dots for 16-bit inputs, bf16
+    # operands for bf16 inputs and TF32 for float16 (their gradients carry bf16/fp16 rounding
+    # anyway; on an H200 at B=8 T=4096 H=16 K=V=128 M=2 bf16, 1.75 ms with TF32, 1.12 ms with bf16
+    # operands and the dk share below summed in). Float32 inputs need IEEE float32 dots, which
+    # on 64 x 64 tiles are FMA loops that spill (23-110 ms there), so compiled they take
+    # wy.wy_bwd_xla (9.1 ms); the interpreter runs the kernel for every dtype, so CPU tests check
+    # its logic.
     # The kernel also adds the walk's and the output stage's shares of dk and rounds dk and dv to
     # the inputs' dtype itself, so neither the sum nor the casts is a separate pass over HBM.
     if inverse is not None:
         precision = jax.lax.Precision.HIGHEST if jnp.dtype(k.dtype) == f32 else None
-        # bfloat16 inputs: bfloat16 dot operands, as fla's WY backward (float16 keeps TF32: M and
-        # F are sums over a sub-chunk that float16's range may not hold).
-        operand_dtype = jnp.bfloat16 if jnp.dtype(k.dtype) == jnp.bfloat16 else None
+        operand_dtype = None if bwd_dot_dtype == f32 else bwd_dot_dtype
         wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
                                  precision=precision, operand_dtype=operand_dtype,
                                  interpret=interpret,

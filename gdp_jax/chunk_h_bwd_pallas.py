@@ -61,7 +61,7 @@ copy gets its own load/store sites whose address tensors the compiler hoists out
 and keeps live (K = V = 128, M = 2: 255 registers and spills unrolled, 224 and none as a loop; see
 ``default_blocks``). Dots take ``dot_dtype`` operands with float32 accumulation: float32 (tf32
 on the GPU) by default, bfloat16 in the op for bfloat16 inputs, like the forward walk; dvt, dS
-and dw then pass through HBM in 16 bits too (not float16: see chunk._walk_bwd_dot_dtype). Reset flags and chunk-end
+and dw then pass through HBM in 16 bits too (not float16: see chunk._bwd_dot_dtype). Reset flags and chunk-end
 values come from reductions over the chunk's vectors, not scalar loads: runs never decrease along T,
 so run_first = min(run), run_last = max(run), and the reset between chunk c-1 and c is applied one
 iteration later (when chunk c-1's runs are loaded), comparing with chunk c's run_first carried in

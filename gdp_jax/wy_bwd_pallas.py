@@ -170,9 +170,10 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
     ``precision`` is that of every dot (float32 operands): HIGHEST is IEEE float32 (FMA loops on
     the GPU), None lets Triton use TF32 tensor cores. ``operand_dtype`` (None, or bfloat16 /
     float16) instead rounds every dot's operands to that dtype, float32 accumulation, as fla's
-    WY backward does (T, M = dw Rw^T + du Ru^T and F are then rounded once more each). Not yet
-    timed on a GPU; the op does not use it. ``block_cols`` (a power of two >= 16) is the width of
-    the column blocks the K and V passes step through.
+    WY backward does (T, M = dw Rw^T + du Ru^T and F are then rounded once more each). The op
+    passes bfloat16 for bfloat16 inputs (with the output stage's dk share summed in too, 1.75 ->
+    1.12 ms on an H200 at B=8 T=4096 H=16 K=V=128 M=2). ``block_cols`` (a power of two >= 16) is the width of the column blocks the K and V
+    passes step through.
 
     ``dk_accumulate`` ([B, P, H, K], any float dtype; a sequence of such arrays; or None) is added
     to dk in float32 before it is rounded to ``out_dtype``: the op passes the state walk's and the

@@ -137,7 +137,7 @@ def test_full_op_gradients_compiled(dtype, m, gated, segments, init):
 
 def test_full_op_float16():
     """float16 inputs on the GPU path (16-bit dots in the forward walk; the backward walk keeps
-    float32 dots for float16, see chunk._walk_bwd_dot_dtype): forward against the float64
+    float32 dots for float16, see chunk._bwd_dot_dtype): forward against the float64
     recurrence and gradients against the jnp path, at the half-input tolerance."""
     test_full_op_against_recurrence(jnp.float16, 2, True, True)
     test_full_op_gradients_compiled(jnp.float16, 2, True, True, True)

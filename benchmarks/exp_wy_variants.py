@@ -229,7 +229,6 @@ def main():
     import jax
     import jax.numpy as jnp
     from gdp_jax.chunk import _sub_grid_operands
-    from gdp_jax.cumsum import chunk_local_log2_cumsum  # noqa: F401  (the op's stage 1, for reference)
     from gdp_jax.wy_pallas import wy_pallas
 
     shp = parse_shapes(args.shape, {})[0]

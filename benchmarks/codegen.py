@@ -38,18 +38,30 @@ VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
     "M3": (8, 4096, 16, 128, 128, 3, {}),
     "K64": (4, 8192, 32, 64, 64, 2, {}),
     "K256": (2, 16384, 16, 256, 256, 2, {}),
-    "M2_w8": (8, 4096, 16, 128, 128, 2, dict(num_warps=8)),
-    "M3_scores_first": (8, 4096, 16, 128, 128, 3, dict(copy_order="scores_first")),
-    "M2_fused": (8, 4096, 16, 128, 128, 2, dict(copy_order="fused")),
+    "M2_w8": (8, 4096, 16, 128, 128, 2, dict(block_k=0, num_warps=8)),
+    "M3_scores_first": (8, 4096, 16, 128, 128, 3, dict(block_k=0, copy_order="scores_first")),
+    "M2_fused": (8, 4096, 16, 128, 128, 2, dict(block_k=0, copy_order="fused")),
+    # Without the K loop (block_k=0), timed in the seventh session and earlier.
     # Pipelining over chunks at K = 128 (what took K = 64 from 74 % to 99 % of the floor):
-    "M1_cpp2": (8, 4096, 16, 128, 128, 1, dict(chunks_per_program=2)),
-    "M1_cpp4": (8, 4096, 16, 128, 128, 1, dict(chunks_per_program=4)),
-    "M2_cpp2": (8, 4096, 16, 128, 128, 2, dict(chunks_per_program=2)),
-    "M2_bv64_cpp2": (8, 4096, 16, 128, 128, 2, dict(block_v=64, value_blocks_per_program=1,
+    "M1_cpp2": (8, 4096, 16, 128, 128, 1, dict(block_k=0, chunks_per_program=2)),
+    "M1_cpp4": (8, 4096, 16, 128, 128, 1, dict(block_k=0, chunks_per_program=4)),
+    "M2_cpp2": (8, 4096, 16, 128, 128, 2, dict(block_k=0, chunks_per_program=2)),
+    "M2_bv64_cpp2": (8, 4096, 16, 128, 128, 2, dict(block_k=0, block_v=64, value_blocks_per_program=1,
                                                     chunks_per_program=2)),
-    "M2_bv64_cpp4": (8, 4096, 16, 128, 128, 2, dict(block_v=64, value_blocks_per_program=1,
+    "M2_bv64_cpp4": (8, 4096, 16, 128, 128, 2, dict(block_k=0, block_v=64, value_blocks_per_program=1,
                                                     chunks_per_program=4)),
-    "M2_bv64": (8, 4096, 16, 128, 128, 2, dict(block_v=64, value_blocks_per_program=1)),
+    "M2_bv64": (8, 4096, 16, 128, 128, 2, dict(block_k=0, block_v=64, value_blocks_per_program=1)),
+    # Without the loop over K (block_k=0), the default at K >= 128 until the eighth session:
+    "M1_no_k_loop": (8, 4096, 16, 128, 128, 1, dict(block_k=0)),
+    "M2_no_k_loop": (8, 4096, 16, 128, 128, 2, dict(block_k=0)),
+    "M3_no_k_loop": (8, 4096, 16, 128, 128, 3, dict(block_k=0)),
+    "K256_no_k_loop": (2, 16384, 16, 256, 256, 2, dict(block_k=0)),
+    # K-loop variants timed and not kept:
+    "M2_bk64": (8, 4096, 16, 128, 128, 2, dict(block_k=64, num_stages=2)),
+    "M2_bk64_w8": (8, 4096, 16, 128, 128, 2, dict(block_k=64, num_stages=2, num_warps=8)),
+    "M3_bk32_s3": (8, 4096, 16, 128, 128, 3, dict(block_k=32, num_stages=3)),
+    "K256_bk32_vb2": (2, 16384, 16, 256, 256, 2, dict(block_k=32, block_v=128,
+                                                      value_blocks_per_program=2)),
 }
 
 

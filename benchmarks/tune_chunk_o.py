@@ -93,12 +93,12 @@ def sweep(kd, vd, m, full):
     if kd <= 64:  # pipelining over chunks fits shared memory only for narrow tiles
         for cpp, hf, stages in itertools.product((2, 4, 8), (False, True), (2, 3)):
             out.append(dict(chunks_per_program=cpp, heads_fastest=hf, num_stages=stages))
-    elif kd == 128 and vd == 128:
-        # At K = 128 the chunk pipeline fits (172,544 B, offline sm_90a builds in CODEGEN.md) for
-        # M = 1 as is, and for M = 2 only with the values split over two 64-wide programs.
-        split = dict(block_v=64, value_blocks_per_program=1) if m >= 2 else {}
-        for cpp in (2, 4):
-            out.append(dict(split, chunks_per_program=cpp))
+    else:
+        # K >= 128: the loop over K (block_k) at its step widths and pipeline depths, and the
+        # kernel without it (block_k=0) for comparison.
+        out.append(dict(block_k=0))
+        for bk, stages in itertools.product((32, 64), (2, 3, 4)):
+            out.append(dict(block_k=bk, num_stages=stages))
     return out
 
 

@@ -35,49 +35,80 @@ class KernelConfig:
     heads_fastest: bool            # launch order: neighbouring programs take neighbouring heads
     num_warps: int
     num_stages: int
-    # Order of a chunk's work (one value tile per program only): "scores_first" makes every copy's
-    # q·k scores, then q·h and the score·v dots; "fused" takes q·h, then each copy's score and its
-    # score·v dot in turn, so only one [BT, BT] score is live (M = 3 spills otherwise).
+    # Order of a chunk's work without a K loop (one value tile per program only): "scores_first"
+    # makes every copy's q·k scores, then q·h and the score·v dots; "fused" takes q·h, then each
+    # copy's score and its score·v dot in turn, so only one [BT, BT] score is live.
     copy_order: str = "scores_first"
+    # Key columns per step of a loop over K that accumulates q·h and every copy's q·k scores
+    # (None: all of K at once). Triton software-pipelines that loop: its loads become
+    # asynchronous copies into shared memory, in flight while the previous step multiplies.
+    block_k: int | None = None
 
 
-def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int, *,
+def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int,
+                  itemsize: int = 2, *,
                   block_v: int | None = None, value_blocks_per_program: int | None = None,
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  copy_order: str | None = None) -> KernelConfig:
+                  copy_order: str | None = None, block_k: int | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
+
+    ``itemsize`` is the widest of q's and h's element sizes in bytes. Override ``block_k=0`` to
+    turn the K loop off where it is the default.
 
     Measured on an H200 (jax 0.11.2, bf16, chunk 64, benchmarks/tune_chunk_o.py; RESULTS.md has
     the tables), at B=8 T=4096 H=16 K=V=128 M=2 unless said otherwise:
+    - the loop over K (block_k; eighth session): at K = 128 and 256 a program that loads all of K
+      at once waits on each load group in turn (register-held loads, benchmarks/CODEGEN.md) and
+      stayed at 80-87 % of the floor whatever else was tried below. Stepping through K lets Triton
+      pipeline the q, k and h loads with cp.async. M = 1: 0.219 -> 0.192-0.197 ms (block_k 64);
+      M = 2: 0.311 -> 0.275-0.276 (block_k 32, 4 stages; 64 with 2 stages 0.279-0.289); M = 3:
+      0.394 -> 0.334-0.338 (block_k 64; 32 with 3-4 stages 0.355-0.362); K = V = 256, M = 2:
+      0.772 -> 0.708 (block_k 32, 4 stages, two 128-wide value programs; 0.733 with both value
+      tiles in one program). All copies' scores accumulate in the one loop: a loop per copy
+      ("fused") was slower everywhere (M = 2 0.320, M = 3 0.370 ms); 8 warps too (0.475 ms at
+      M = 2). At K = V = 64 the 4-chunk pipeline stays better (0.229 vs 0.266 ms). Not measured
+      at M >= 4 or with 4-byte inputs, which keep the configs below.
     - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for
       more of them per SM, so more loads are in flight.
     - neighbouring programs take neighbouring heads (heads_fastest): 0.307 vs 0.320 ms (0.229 vs
       0.244 at K = V = 64); together they read one contiguous [BT, H, K] slab of q instead of H
       strided ones.
-    - all of V in one program (V <= 128: 0.307 ms, vs 0.352 ms with two value programs that each
-      re-read q and k); V = 256 loops over two 128-wide value tiles inside one program, reusing the
-      q·k scores (0.764 ms, vs 0.848 with two programs and 0.903 with 64-wide tiles).
+    - without the K loop: all of V in one program (V <= 128: 0.307 ms, vs 0.352 ms with two value
+      programs that each re-read q and k); V = 256 loops over two 128-wide value tiles inside one
+      program, reusing the q·k scores (0.764 ms, vs 0.848 with two programs and 0.903 with 64-wide
+      tiles).
     - several chunks per program only pays at K = V = 64 (software-pipelined over 4 chunks, 0.229
-      ms at B=4 T=8192 H=32 M=2 vs 0.297 for one chunk); at K = 128 the pipelined buffers exceed
-      shared memory (232 KB) and the unpipelined loop is slower.
-    - not measured to help: 2 warps (0.55 ms), an evict-first L2 hint on the loads (0.313 ms).
-    - not faster either: every tile's load written before the first dot (an option tried in the
-      fifth session and removed): 0.320 vs 0.310 ms at M = 2, slower at M = 1 and 3, over shared
-      memory at K = 256, although the sm_90a build then issued all its loads ahead of the first
-      wgmma (benchmarks/CODEGEN.md). So the order of the loads inside a program is not what holds
-      the kernel below the floor.
-    - copy_order "fused" for M >= 3 (seventh session, two runs): M = 3 0.401 -> 0.391 / 0.392 ms
-      (its scores no longer all live at once); M = 2 0.309 vs 0.313 and M = 1 0.217 vs 0.220, so
-      those keep "scores_first".
+      ms at B=4 T=8192 H=32 M=2 vs 0.297 for one chunk); at K = 128 the pipelined buffers need a
+      whole SM's shared memory and were no faster (M = 1 0.219-0.221 ms with 2 or 4 chunks).
+    - not measured to help: 2 warps (0.55 ms), an evict-first L2 hint on the loads (0.313 ms),
+      every tile's load written before the first dot (fifth session, removed: 0.320 vs 0.310 ms).
+    - copy_order "fused" for M >= 3 without the K loop (seventh session): M = 3 0.401 -> 0.391 ms
+      (its scores no longer all live at once); M = 2 and 1 keep "scores_first".
     """
     if copy_order not in (None, "scores_first", "fused"):
         raise ValueError(f"copy_order must be 'scores_first' or 'fused', got {copy_order!r}")
     small = key_dim <= 64 and value_dim <= 64
+    # The measured regime of the K loop: 2-byte tiles, chunk 64, K of 128 or 256, M <= 3.
+    k_loop = key_dim >= 128 and chunk_size == 64 and itemsize <= 2 and num_householder <= 3
+    if block_k is None and k_loop:
+        block_k = 32 if num_householder == 2 or key_dim > 128 else 64
+        num_stages = num_stages or (4 if block_k == 32 else 2)
+        if value_dim > 128 and block_v is None and value_blocks_per_program is None:
+            block_v, value_blocks_per_program = 128, 1       # two value programs (K = 256: 0.708 ms)
+    block_k = block_k or None                                # an override of 0: no K loop
+    if block_k is not None and (block_k < 16 or key_dim % block_k or block_k & (block_k - 1)):
+        raise ValueError(f"block_k must be a power of two >= 16 dividing key_dim={key_dim}, "
+                         f"got {block_k}")
+    if block_k is not None and copy_order == "fused":
+        raise ValueError("block_k takes copy_order='scores_first': every copy's scores accumulate "
+                         "in the one loop over K")
     if block_v is None:
         block_v = min(value_dim, 128)
     if value_blocks_per_program is None:
         value_blocks_per_program = value_dim // block_v
+    if copy_order is None:
+        copy_order = "fused" if num_householder >= 3 and block_k is None else "scores_first"
     return KernelConfig(
         block_v=block_v,
         value_blocks_per_program=value_blocks_per_program,
@@ -85,7 +116,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         heads_fastest=True if heads_fastest is None else heads_fastest,
         num_warps=num_warps or 4,
         num_stages=num_stages or 2,
-        copy_order=copy_order or ("fused" if num_householder >= 3 else "scores_first"))
+        copy_order=copy_order,
+        block_k=block_k)
 
 
 def _load_rows(ref, row_valid, other=0):
@@ -97,7 +129,7 @@ def _load_rows(ref, row_valid, other=0):
 def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, tokens: int,
                     num_chunks: int, chunks_per_program: int, block_v: int,
                     value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool,
-                    copy_order: str = "scores_first"):
+                    copy_order: str = "scores_first", block_k: int | None = None):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -117,7 +149,7 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
         row_valid = (first_chunk + i) * chunk_size + t_in_chunk < tokens   # last chunk may be partial
 
         load_rows = functools.partial(_load_rows, row_valid=row_valid)
-        q = load_rows(q_ref.at[chunk_rows])                         # [BT, K], read once
+        q = None if block_k else load_rows(q_ref.at[chunk_rows])   # [BT, K], read once
         pair_mask = causal
         row_weight = None                                           # weight of q[t]·h[c]
         if has_g:
@@ -150,6 +182,48 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
         def store(o, value_cols):
             plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
                         mask=row_valid[:, None])
+
+        if block_k is not None:
+            # Scores and the state term accumulate over K in steps of block_k; Triton pipelines
+            # each such loop, so step j+1's q, k and h tiles are in flight while step j multiplies.
+            zeros = lambda n: jnp.zeros((chunk_size, n), jnp.float32)
+
+            def key_loop(value_cols, copy_k_refs):
+                """q·h[:, value_cols] and each copy's q·k^T, summed over K in block_k steps."""
+                def key_step(j, acc):
+                    key_cols = pl.ds(j * block_k, block_k)
+                    q_part = load_rows(q_ref.at[chunk_rows, key_cols])     # [BT, BK]
+                    state = h_ref[i, key_cols, value_cols]                  # [BK, BV]
+                    dot_dtype = jnp.promote_types(q_part.dtype, state.dtype)
+                    o_state = acc[0] + plgpu.dot(q_part.astype(dot_dtype), state.astype(dot_dtype))
+                    scores = [score + plgpu.dot(q_part, load_rows(k_ref.at[chunk_rows, key_cols]),
+                                                trans_b=True)               # [BT, BT]
+                              for score, k_ref in zip(acc[1:], copy_k_refs)]
+                    return (o_state, *scores)
+                init = (zeros(block_v),) + tuple(zeros(chunk_size) for _ in copy_k_refs)
+                return jax.lax.fori_loop(0, q_ref.shape[-1] // block_k, key_step, init)
+
+            def weigh(score):                                       # [BT, BT] f32 -> v's dtype
+                score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
+                return score.astype(v_refs[0].dtype)
+
+            def finish(o_state, scores, value_cols):
+                o = o_state if row_weight is None else o_state * row_weight[:, None]
+                for score, v_ref in zip(scores, v_refs):
+                    o += plgpu.dot(score, load_rows(v_ref.at[chunk_rows, value_cols]))
+                store(o, value_cols)
+
+            # One loop for the state term of value tile 0 and every copy's scores; further value
+            # tiles run a state-only loop each and reuse the scores.
+            value_cols = pl.ds(0, block_v)
+            o_state, *scores = key_loop(value_cols, k_refs)
+            scores = [weigh(score) for score in scores]
+            finish(o_state, scores, value_cols)
+            for j in range(1, value_blocks_per_program):
+                value_cols = pl.ds(j * block_v, block_v)
+                (o_state,) = key_loop(value_cols, [])
+                finish(o_state, scores, value_cols)
+            return carry
 
         if copy_order == "fused" and value_blocks_per_program == 1:
             value_cols = pl.ds(0, block_v)
@@ -187,7 +261,8 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
     value_dim = v.shape[-1]
     m = num_householder
     num_chunks = h.shape[1]
-    cfg = config or kernel_config(key_dim, value_dim, chunk_size, m)
+    cfg = config or kernel_config(key_dim, value_dim, chunk_size, m,
+                                  max(jnp.dtype(q.dtype).itemsize, jnp.dtype(h.dtype).itemsize))
     cpp, block_t = cfg.chunks_per_program, cfg.chunks_per_program * chunk_size
     block_v = cfg.block_v * cfg.value_blocks_per_program           # value columns of one program
     # Grid axes, first varying fastest in launch order: value splits, then chunks or heads.
@@ -228,7 +303,8 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
         _chunk_o_kernel, num_householder=m, scale=scale, chunk_size=chunk_size, tokens=tokens,
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
         value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
-        has_g=g is not None, has_segments=runs is not None, copy_order=cfg.copy_order)
+        has_g=g is not None, has_segments=runs is not None, copy_order=cfg.copy_order,
+        block_k=cfg.block_k)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

@@ -508,6 +508,61 @@ def test_fused_copy_order_in_interpreter(m, segments, gated):
         kernel_config(key_dim, 64, chunk_size, m, copy_order="fast")
 
 
+# The loop over K (KernelConfig.block_k), forced at small widths so the interpreter stays quick:
+# all M, with and without g and segments, several value tiles per program (each with its own
+# state loop), and a chunk loop around it, on ragged T.
+@pytest.mark.parametrize("m,gated,segments,value_blocks,chunks_per_program", [
+    (1, True, False, 1, 1), (2, True, True, 1, 2), (3, False, True, 2, 1), (2, False, False, 4, 1),
+    (3, True, True, 1, 3)])
+def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_program):
+    from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
+    from gdp_jax.segments import segment_runs
+
+    key_dim, value_dim, chunk_size = 64, 64, 16
+    p = cached_problem(17 + m + 3 * gated, batch=2, tokens=77, heads=2, key_dim=key_dim,
+                       value_dim=value_dim, m=m, chunk_size=chunk_size, gated=gated,
+                       segments=segments)
+    runs = None if p["segment_ids"] is None else segment_runs(p["segment_ids"])
+    config = kernel_config(key_dim, value_dim, chunk_size, m, block_k=16,
+                           block_v=value_dim // value_blocks, value_blocks_per_program=value_blocks,
+                           chunks_per_program=chunks_per_program)
+    o = jax.jit(functools.partial(
+        chunk_o_pallas, scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m,
+        interpret=True, config=config))(p["q"], p["k"], p["v"], p["h"], p["g"], runs)
+    assert rel_err(o, p["o_ref"]) < TOL[np.float32]
+
+
+def test_default_key_loop_at_k128_in_interpreter():
+    """The H200 default for 2-byte inputs at K >= 128, chunk 64 (K loop, V = 256 split over two
+    value programs), run through the public op in the interpreter on a small problem."""
+    from gdp_jax.chunk_o_pallas import kernel_config
+
+    config = kernel_config(128, 256, 64, 2, itemsize=2)
+    assert (config.block_k, config.block_v, config.value_blocks_per_program) == (32, 128, 1)
+    p = cached_problem(23, batch=1, tokens=150, heads=2, key_dim=128, value_dim=256, m=2,
+                       chunk_size=64, gated=True, segments=True, dtype=jnp.bfloat16)
+    o = run_op(p, "interpret")
+    assert o.dtype == jnp.bfloat16 and rel_err(o, p["o_ref"]) < TOL[jnp.bfloat16]
+
+
+def test_key_loop_config_rules():
+    from gdp_jax.chunk_o_pallas import kernel_config
+
+    # Where it was measured (2-byte tiles, chunk 64, K >= 128, M <= 3) the K loop is the default.
+    assert kernel_config(128, 128, 64, 1).block_k == 64
+    assert kernel_config(128, 128, 64, 3).copy_order == "scores_first"
+    # Elsewhere the previous configs stay, and block_k=0 turns it off explicitly.
+    assert kernel_config(128, 128, 64, 2, itemsize=4).block_k is None
+    assert kernel_config(128, 128, 128, 2).block_k is None
+    assert kernel_config(64, 64, 64, 2).block_k is None
+    assert kernel_config(128, 128, 64, 4).block_k is None
+    assert kernel_config(128, 128, 64, 2, block_k=0).block_k is None
+    with pytest.raises(ValueError, match="block_k"):
+        kernel_config(128, 128, 64, 2, block_k=48)
+    with pytest.raises(ValueError, match="block_k"):
+        kernel_config(128, 128, 64, 2, block_k=32, copy_order="fused")
+
+
 @pytest.mark.parametrize("dtype,key_dim,value_dim,chunk_size,fits", [
     (np.float32, 256, 16, 128, False),      # 4-byte q, k tiles of 128 x 256: 256 KiB of shared memory
     (np.float32, 200, 16, 128, False),      # K pads to 256

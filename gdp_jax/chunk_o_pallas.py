@@ -62,13 +62,14 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       at once waits on each load group in turn (register-held loads, benchmarks/CODEGEN.md) and
       stayed at 80-87 % of the floor whatever else was tried below. Stepping through K lets Triton
       pipeline the q, k and h loads with cp.async. M = 1: 0.219 -> 0.192-0.197 ms (block_k 64);
-      M = 2: 0.311 -> 0.275-0.276 (block_k 32, 4 stages; 64 with 2 stages 0.279-0.289); M = 3:
+      M = 2: 0.311 -> 0.275-0.281 (block_k 32, 4 stages; 64 with 2 stages 0.279-0.289); M = 3:
       0.394 -> 0.334-0.338 (block_k 64; 32 with 3-4 stages 0.355-0.362); K = V = 256, M = 2:
       0.772 -> 0.708 (block_k 32, 4 stages, two 128-wide value programs; 0.733 with both value
       tiles in one program). All copies' scores accumulate in the one loop: a loop per copy
       ("fused") was slower everywhere (M = 2 0.320, M = 3 0.370 ms); 8 warps too (0.475 ms at
       M = 2). At K = V = 64 the 4-chunk pipeline stays better (0.229 vs 0.266 ms). Not measured
-      at M >= 4 or with 4-byte inputs, which keep the configs below.
+      at M >= 4 or with 4-byte inputs, which keep the configs below; K = 256 at M = 1 or 3 and
+      V = 256 at K = 128 take the K = V = 256, M = 2 choice without a measurement of their own.
     - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for
       more of them per SM, so more loads are in flight.
     - neighbouring programs take neighbouring heads (heads_fastest): 0.307 vs 0.320 ms (0.229 vs

@@ -6,7 +6,11 @@ One program computes one (value block, chunk, batch*head) tile of SPEC's chunked
                      + sum_{s in [c0, t], same(s, t)} sum_{m < M} 2^(g[t]-g[s]) (q[t]·k[s*M+m]) v_new[s*M+m] )
 
 The query tile is loaded once and reused for the carried-state term and for all M Householder
-copies. The M copies of k and v are read straight from the caller's [B, T*M, H, *] arrays: viewed as
+copies. Where the K loop is on (``KernelConfig.block_k``, the default for 2-byte inputs at K >= 128),
+q·h and every copy's q·k scores instead accumulate over K in block_k-wide steps, each q slice
+read once, so that Triton can pipeline the loads (a second value tile re-reads q in its own loop).
+
+The M copies of k and v are read straight from the caller's [B, T*M, H, *] arrays: viewed as
 [B, T, M*H, *] (a free reshape), copy m of head h is "head" m*H + h, so each copy is one strided
 BlockSpec over the same buffer and nothing is transposed or copied in HBM.
 """

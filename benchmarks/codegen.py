@@ -60,11 +60,6 @@ VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
     "M2_bk64": (8, 4096, 16, 128, 128, 2, dict(block_k=64, num_stages=2)),
     "M2_bk64_w8": (8, 4096, 16, 128, 128, 2, dict(block_k=64, num_stages=2, num_warps=8)),
     "M3_bk32_s3": (8, 4096, 16, 128, 128, 3, dict(block_k=32, num_stages=3)),
-    # Weights made after the K loop (weights_after_loop), not yet timed:
-    "M1_late_weights": (8, 4096, 16, 128, 128, 1, dict(weights_after_loop=True)),
-    "M2_late_weights": (8, 4096, 16, 128, 128, 2, dict(weights_after_loop=True)),
-    "M3_late_weights": (8, 4096, 16, 128, 128, 3, dict(weights_after_loop=True)),
-    "K256_late_weights": (2, 16384, 16, 256, 256, 2, dict(weights_after_loop=True)),
     "K256_bk32_vb2": (2, 16384, 16, 256, 256, 2, dict(block_k=32, block_v=128,
                                                       value_blocks_per_program=2)),
 }

@@ -99,7 +99,6 @@ def sweep(kd, vd, m, full):
         out.append(dict(block_k=0))
         for bk, stages in itertools.product((32, 64), (2, 3, 4)):
             out.append(dict(block_k=bk, num_stages=stages))
-        out.append(dict(weights_after_loop=True))   # the default K loop, weights made after it
     return out
 
 

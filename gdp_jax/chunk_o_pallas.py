@@ -47,10 +47,6 @@ class KernelConfig:
     # (None: all of K at once). Triton software-pipelines that loop: its loads become
     # asynchronous copies into shared memory, in flight while the previous step multiplies.
     block_k: int | None = None
-    # With the K loop: load g and segment runs and make the score weights after the loop rather
-    # than before it, so they hold no registers while it runs (offline sm_90a builds: M = 2
-    # spills 16 bytes instead of 128, K = 256 20 instead of 120). Not yet timed on a GPU.
-    weights_after_loop: bool = False
 
 
 def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int,
@@ -58,8 +54,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                   block_v: int | None = None, value_blocks_per_program: int | None = None,
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  copy_order: str | None = None, block_k: int | None = None,
-                  weights_after_loop: bool = False) -> KernelConfig:
+                  copy_order: str | None = None, block_k: int | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     ``itemsize`` is the widest of q's and h's element sizes in bytes. Override ``block_k=0`` to
@@ -127,8 +122,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         num_warps=num_warps or 4,
         num_stages=num_stages or 2,
         copy_order=copy_order,
-        block_k=block_k,
-        weights_after_loop=weights_after_loop)
+        block_k=block_k)
 
 
 def _load_rows(ref, row_valid, other=0):
@@ -140,8 +134,7 @@ def _load_rows(ref, row_valid, other=0):
 def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, tokens: int,
                     num_chunks: int, chunks_per_program: int, block_v: int,
                     value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool,
-                    copy_order: str = "scores_first", block_k: int | None = None,
-                    weights_after_loop: bool = False):
+                    copy_order: str = "scores_first", block_k: int | None = None):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -162,33 +155,27 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
 
         load_rows = functools.partial(_load_rows, row_valid=row_valid)
         q = None if block_k else load_rows(q_ref.at[chunk_rows])   # [BT, K], read once
-        def chunk_weights():
-            """This chunk's score weights [BT, BT] (2^(g[t]-g[s]) where s may reach t, else 0;
-            without g the boolean mask itself) and row weights [BT] of q[t]·h[c] (None: all 1)."""
-            pair_mask, row_weight = causal, None
-            if has_g:
-                g = load_rows(g_ref.at[chunk_rows])                 # [BT] f32 log2 decays
-                row_weight = jnp.exp2(g)
-            if has_segments:
-                run = load_rows(runs_ref.at[chunk_rows], other=_PAD_RUN)  # [BT] run numbers
-                pair_mask &= run[:, None] == run[None, :]           # same(s, t)
-                live_at_c0 = run == jnp.min(run)                    # runs never decrease along T
-                row_weight = (jnp.where(live_at_c0, row_weight, 0.0) if has_g
-                              else live_at_c0.astype(jnp.float32))
-            if has_g:
-                return jnp.where(pair_mask, jnp.exp2(g[:, None] - g[None, :]), 0.0), row_weight
-            return pair_mask, row_weight
+        pair_mask = causal
+        row_weight = None                                           # weight of q[t]·h[c]
+        if has_g:
+            g = load_rows(g_ref.at[chunk_rows])                     # [BT] f32 log2 decays
+            row_weight = jnp.exp2(g)
+        if has_segments:
+            run = load_rows(runs_ref.at[chunk_rows], other=_PAD_RUN)  # [BT] run numbers
+            pair_mask &= run[:, None] == run[None, :]               # same(s, t)
+            live_at_c0 = run == jnp.min(run)                        # runs never decrease along T
+            row_weight = (jnp.where(live_at_c0, row_weight, 0.0) if has_g
+                          else live_at_c0.astype(jnp.float32))
 
-        def weigh(score, score_weight):                             # [BT, BT] f32 -> v's dtype
-            score = score * score_weight if has_g else jnp.where(score_weight, score, 0.0)
-            return score.astype(v_refs[0].dtype)
-
-        weights_late = block_k is not None and weights_after_loop
-        score_weight, row_weight = (None, None) if weights_late else chunk_weights()
+        # Decayed, masked scores 2^(g[t]-g[s]) q[t]·k[s] of one Householder copy.
+        if has_g:
+            pair_weight = jnp.where(pair_mask, jnp.exp2(g[:, None] - g[None, :]), 0.0)
 
         def copy_score(k_ref):
             k = load_rows(k_ref.at[chunk_rows])                     # [BT, K]
-            return weigh(plgpu.dot(q, k, trans_b=True), score_weight)   # [BT, BT]
+            score = plgpu.dot(q, k, trans_b=True)                   # [BT, BT] f32
+            score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
+            return score.astype(v_refs[0].dtype)
 
         def state_term(value_cols):
             state = h_ref[i, :, value_cols]                         # [K, BV]
@@ -221,7 +208,11 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
                 init = (zeros(block_v),) + tuple(zeros(chunk_size) for _ in copy_k_refs)
                 return jax.lax.fori_loop(0, q_ref.shape[-1] // block_k, key_step, init)
 
-            def finish(o_state, scores, row_weight, value_cols):
+            def weigh(score):                                       # [BT, BT] f32 -> v's dtype
+                score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
+                return score.astype(v_refs[0].dtype)
+
+            def finish(o_state, scores, value_cols):
                 o = o_state if row_weight is None else o_state * row_weight[:, None]
                 for score, v_ref in zip(scores, v_refs):
                     o += plgpu.dot(score, load_rows(v_ref.at[chunk_rows, value_cols]))
@@ -231,14 +222,12 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
             # tiles run a state-only loop each and reuse the scores.
             value_cols = pl.ds(0, block_v)
             o_state, *scores = key_loop(value_cols, k_refs)
-            if weights_late:
-                score_weight, row_weight = chunk_weights()
-            scores = [weigh(score, score_weight) for score in scores]
-            finish(o_state, scores, row_weight, value_cols)
+            scores = [weigh(score) for score in scores]
+            finish(o_state, scores, value_cols)
             for j in range(1, value_blocks_per_program):
                 value_cols = pl.ds(j * block_v, block_v)
                 (o_state,) = key_loop(value_cols, [])
-                finish(o_state, scores, row_weight, value_cols)
+                finish(o_state, scores, value_cols)
             return carry
 
         if copy_order == "fused" and value_blocks_per_program == 1:
@@ -320,7 +309,7 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
         value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
         has_g=g is not None, has_segments=runs is not None, copy_order=cfg.copy_order,
-        block_k=cfg.block_k, weights_after_loop=cfg.weights_after_loop)
+        block_k=cfg.block_k)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

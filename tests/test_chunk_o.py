@@ -510,13 +510,11 @@ def test_fused_copy_order_in_interpreter(m, segments, gated):
 
 # The loop over K (KernelConfig.block_k), forced at small widths so the interpreter stays quick:
 # all M, with and without g and segments, several value tiles per program (each with its own
-# state loop), a chunk loop around it, and the weights made before or after the loop, on ragged T.
-@pytest.mark.parametrize("m,gated,segments,value_blocks,chunks_per_program,weights_after_loop", [
-    (1, True, False, 1, 1, False), (2, True, True, 1, 2, False), (3, False, True, 2, 1, False),
-    (2, False, False, 4, 1, False), (3, True, True, 1, 3, False), (1, True, True, 1, 2, True),
-    (2, False, True, 2, 1, True), (3, True, False, 1, 1, True)])
-def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_program,
-                                 weights_after_loop):
+# state loop), and a chunk loop around it, on ragged T.
+@pytest.mark.parametrize("m,gated,segments,value_blocks,chunks_per_program", [
+    (1, True, False, 1, 1), (2, True, True, 1, 2), (3, False, True, 2, 1), (2, False, False, 4, 1),
+    (3, True, True, 1, 3)])
+def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_program):
     from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
     from gdp_jax.segments import segment_runs
 
@@ -527,8 +525,7 @@ def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_pr
     runs = None if p["segment_ids"] is None else segment_runs(p["segment_ids"])
     config = kernel_config(key_dim, value_dim, chunk_size, m, block_k=16,
                            block_v=value_dim // value_blocks, value_blocks_per_program=value_blocks,
-                           chunks_per_program=chunks_per_program,
-                           weights_after_loop=weights_after_loop)
+                           chunks_per_program=chunks_per_program)
     o = jax.jit(functools.partial(
         chunk_o_pallas, scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m,
         interpret=True, config=config))(p["q"], p["k"], p["v"], p["h"], p["g"], runs)

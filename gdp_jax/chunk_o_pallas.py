@@ -70,7 +70,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       0.394 -> 0.334-0.338 (block_k 64; 32 with 3-4 stages 0.355-0.362); K = V = 256, M = 2:
       0.772 -> 0.708 (block_k 32, 4 stages, two 128-wide value programs; 0.733 with both value
       tiles in one program). All copies' scores accumulate in the one loop: a loop per copy
-      ("fused") was slower everywhere (M = 2 0.320, M = 3 0.370 ms); 8 warps too (0.475 ms at
+      ("fused") was slower everywhere (M = 2 0.320-0.328, M = 3 0.370-0.416 ms); 8 warps too (0.475 at
       M = 2). At K = V = 64 the 4-chunk pipeline stays better (0.229 vs 0.266 ms). Not measured
       at M >= 4 or with 4-byte inputs, which keep the configs below; K = 256 at M = 1 or 3 and
       V = 256 at K = 128 take the K = V = 256, M = 2 choice without a measurement of their own.

@@ -62,6 +62,30 @@ VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
     "M3_bk32_s3": (8, 4096, 16, 128, 128, 3, dict(block_k=32, num_stages=3)),
     "K256_bk32_vb2": (2, 16384, 16, 256, 256, 2, dict(block_k=32, block_v=128,
                                                       value_blocks_per_program=2)),
+    # A second loop over value columns for q·h and score·v (value_step; ninth session), and the
+    # eighth session's defaults for M = 2 (4 stages) and M = 3 (no value loop):
+    "M2_s4": (8, 4096, 16, 128, 128, 2, dict(block_k=32, num_stages=4)),
+    "M3_no_value_step": (8, 4096, 16, 128, 128, 3, dict(block_k=64, num_stages=2)),
+    "M1_vs64": (8, 4096, 16, 128, 128, 1, dict(value_step=64)),
+    "M2_vs32": (8, 4096, 16, 128, 128, 2, dict(value_step=32)),
+    "M2_vs64": (8, 4096, 16, 128, 128, 2, dict(value_step=64)),
+    "M2_vs128": (8, 4096, 16, 128, 128, 2, dict(value_step=128)),
+    "M2_vs64_bk64": (8, 4096, 16, 128, 128, 2, dict(value_step=64, block_k=64, num_stages=2)),
+    "M3_vs64": (8, 4096, 16, 128, 128, 3, dict(value_step=64)),
+    "K256_vs64": (2, 16384, 16, 256, 256, 2, dict(value_step=64)),
+    "K256_one_vs64": (2, 16384, 16, 256, 256, 2, dict(value_step=64, block_v=256)),
+    "K256_one_vs32": (2, 16384, 16, 256, 256, 2, dict(value_step=32, block_v=256)),
+    "K256_vs64_s2": (2, 16384, 16, 256, 256, 2, dict(value_step=64, num_stages=2)),
+    "K256_vs64_s3": (2, 16384, 16, 256, 256, 2, dict(value_step=64, num_stages=3)),
+    "K256_vs32_s3": (2, 16384, 16, 256, 256, 2, dict(value_step=32, num_stages=3)),
+    "K256_one_vs32_s2": (2, 16384, 16, 256, 256, 2, dict(value_step=32, block_v=256, num_stages=2)),
+    "K256_one_vs64_s2": (2, 16384, 16, 256, 256, 2, dict(value_step=64, block_v=256, num_stages=2)),
+    "M2_vs32_s3": (8, 4096, 16, 128, 128, 2, dict(value_step=32, num_stages=3)),
+    "M2_vs64_s3": (8, 4096, 16, 128, 128, 2, dict(value_step=64, num_stages=3)),
+    "M2_vs64_s2": (8, 4096, 16, 128, 128, 2, dict(value_step=64, num_stages=2)),
+    "M3_vs32": (8, 4096, 16, 128, 128, 3, dict(value_step=32)),
+    "M1_vs32": (8, 4096, 16, 128, 128, 1, dict(value_step=32)),
+    "M1_vs128": (8, 4096, 16, 128, 128, 1, dict(value_step=128)),
 }
 
 

@@ -97,8 +97,11 @@ def sweep(kd, vd, m, full):
         # K >= 128: the loop over K (block_k) at its step widths and pipeline depths, and the
         # kernel without it (block_k=0) for comparison.
         out.append(dict(block_k=0))
-        for bk, stages in itertools.product((32, 64), (2, 3, 4)):
+        for bk, stages in itertools.product((32, 64), (2, 3, 4, 5)):
             out.append(dict(block_k=bk, num_stages=stages))
+        # ... and the second loop over value columns (value_step) for q·h and score·v.
+        for step, bk in itertools.product((32, 64), (32, 64)):
+            out.append(dict(value_step=step, block_k=bk, num_stages=2))
     return out
 
 

@@ -9,6 +9,8 @@ The query tile is loaded once and reused for the carried-state term and for all 
 copies. Where the K loop is on (``KernelConfig.block_k``, the default for 2-byte inputs at K >= 128),
 q·h and every copy's q·k scores instead accumulate over K in block_k-wide steps, each q slice
 read once, so that Triton can pipeline the loads (a second value tile re-reads q in its own loop).
+With ``KernelConfig.value_step`` (the default at M = 3) the K loop makes only the scores, and a
+second pipelined loop over value columns makes q·h and the score·v dots.
 
 The M copies of k and v are read straight from the caller's [B, T*M, H, *] arrays: viewed as
 [B, T, M*H, *] (a free reshape), copy m of head h is "head" m*H + h, so each copy is one strided
@@ -47,6 +49,11 @@ class KernelConfig:
     # (None: all of K at once). Triton software-pipelines that loop: its loads become
     # asynchronous copies into shared memory, in flight while the previous step multiplies.
     block_k: int | None = None
+    # With the K loop: value columns per step of a second loop, over the program's value columns,
+    # that makes the state term q·h and the score·v dots (None: q·h accumulates in the K loop and
+    # the v tiles are read after it). Triton pipelines that loop too, so the h and v loads become
+    # asynchronous copies, and the K loop carries only the scores.
+    value_step: int | None = None
 
 
 def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int,
@@ -54,7 +61,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                   block_v: int | None = None, value_blocks_per_program: int | None = None,
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  copy_order: str | None = None, block_k: int | None = None) -> KernelConfig:
+                  copy_order: str | None = None, block_k: int | None = None,
+                  value_step: int | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     ``itemsize`` is the widest of q's and h's element sizes in bytes. Override ``block_k=0`` to
@@ -74,6 +82,13 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       M = 2). At K = V = 64 the 4-chunk pipeline stays better (0.229 vs 0.266 ms). Not measured
       at M >= 4 or with 4-byte inputs, which keep the configs below; K = 256 at M = 1 or 3 and
       V = 256 at K = 128 take the K = V = 256, M = 2 choice without a measurement of their own.
+    - ninth session: M = 2 at K = 128 with 5 stages of block_k 32 (0.280 -> 0.274 ms, packed rows
+      0.277 -> 0.273; 3 stages 0.279-0.283). M = 3 with the second loop over value columns
+      (value_step 64; offline, its spills drop from 400 bytes to 24): 0.338-0.342 -> 0.324-0.325
+      ms. That loop did not help elsewhere: M = 1 0.196 -> 0.197, M = 2 at best 0.278 (block_k 64,
+      2 stages; 0.293-0.410 otherwise), K = V = 256 0.777-1.689 (q's [64, 256] tile held through
+      it). Making the score weights after the K loop rather than before it was slower everywhere
+      (M = 2 0.287, K = 256 0.725 ms), though it spills less.
     - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for
       more of them per SM, so more loads are in flight.
     - neighbouring programs take neighbouring heads (heads_fastest): 0.307 vs 0.320 ms (0.229 vs
@@ -98,9 +113,13 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
     k_loop = key_dim >= 128 and chunk_size == 64 and itemsize <= 2 and num_householder <= 3
     if block_k is None and k_loop:
         block_k = 32 if num_householder == 2 or key_dim > 128 else 64
-        num_stages = num_stages or (4 if block_k == 32 else 2)
+        num_stages = num_stages or (5 if key_dim == 128 and num_householder == 2
+                                    else 4 if block_k == 32 else 2)
         if value_dim > 128 and block_v is None and value_blocks_per_program is None:
             block_v, value_blocks_per_program = 128, 1       # two value programs (K = 256: 0.708 ms)
+        if (value_step is None and num_householder == 3 and key_dim == 128
+                and (block_v or value_dim) == 128 and (value_blocks_per_program or 1) == 1):
+            value_step = 64                                  # M = 3: 0.338 -> 0.325 ms
     block_k = block_k or None                                # an override of 0: no K loop
     if block_k is not None and (block_k < 16 or key_dim % block_k or block_k & (block_k - 1)):
         raise ValueError(f"block_k must be a power of two >= 16 dividing key_dim={key_dim}, "
@@ -112,6 +131,13 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         block_v = min(value_dim, 128)
     if value_blocks_per_program is None:
         value_blocks_per_program = value_dim // block_v
+    if value_step is not None:
+        program_width = block_v * value_blocks_per_program
+        if block_k is None:
+            raise ValueError("value_step needs the K loop (block_k)")
+        if value_step < 16 or program_width % value_step or value_step & (value_step - 1):
+            raise ValueError(f"value_step must be a power of two >= 16 dividing the "
+                             f"{program_width} value columns of a program, got {value_step}")
     if copy_order is None:
         copy_order = "fused" if num_householder >= 3 and block_k is None else "scores_first"
     return KernelConfig(
@@ -122,7 +148,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         num_warps=num_warps or 4,
         num_stages=num_stages or 2,
         copy_order=copy_order,
-        block_k=block_k)
+        block_k=block_k,
+        value_step=value_step)
 
 
 def _load_rows(ref, row_valid, other=0):
@@ -134,7 +161,8 @@ def _load_rows(ref, row_valid, other=0):
 def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, tokens: int,
                     num_chunks: int, chunks_per_program: int, block_v: int,
                     value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool,
-                    copy_order: str = "scores_first", block_k: int | None = None):
+                    copy_order: str = "scores_first", block_k: int | None = None,
+                    value_step: int | None = None):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -171,22 +199,34 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
         if has_g:
             pair_weight = jnp.where(pair_mask, jnp.exp2(g[:, None] - g[None, :]), 0.0)
 
-        def copy_score(k_ref):
-            k = load_rows(k_ref.at[chunk_rows])                     # [BT, K]
-            score = plgpu.dot(q, k, trans_b=True)                   # [BT, BT] f32
+        def weigh(score):                                           # [BT, BT] f32 -> v's dtype
             score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
             return score.astype(v_refs[0].dtype)
 
-        def state_term(value_cols):
-            state = h_ref[i, :, value_cols]                         # [K, BV]
-            dot_dtype = jnp.promote_types(q.dtype, state.dtype)
-            # Carried-state term [same(t, c0)] 2^g[t] q[t]·h[c], the row weight applied in f32.
-            o = plgpu.dot(q.astype(dot_dtype), state.astype(dot_dtype))   # [BT, BV] f32
+        def copy_score(k_ref):
+            k = load_rows(k_ref.at[chunk_rows])                     # [BT, K]
+            return weigh(plgpu.dot(q, k, trans_b=True))             # [BT, BT]
+
+        def state_dot(q_cols, state):                               # [BT, k] @ [k, BV] -> f32
+            dot_dtype = jnp.promote_types(q_cols.dtype, state.dtype)
+            return plgpu.dot(q_cols.astype(dot_dtype), state.astype(dot_dtype))
+
+        def weigh_rows(o):
+            # Carried-state term [same(t, c0)] 2^g[t] q[t]·h[c]: the row weight, applied in f32.
             return o if row_weight is None else o * row_weight[:, None]
+
+        def state_term(q, value_cols):                              # [BT, BV] f32
+            return weigh_rows(state_dot(q, h_ref[i, :, value_cols]))
 
         def store(o, value_cols):
             plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
                         mask=row_valid[:, None])
+
+        def finish(o, scores, value_cols):
+            """Adds every copy's score·v (the intra-chunk term) to the state term o; stores."""
+            for score, v_ref in zip(scores, v_refs):
+                o += plgpu.dot(score, load_rows(v_ref.at[chunk_rows, value_cols]))
+            store(o, value_cols)
 
         if block_k is not None:
             # Scores and the state term accumulate over K in steps of block_k; Triton pipelines
@@ -194,45 +234,52 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
             zeros = lambda n: jnp.zeros((chunk_size, n), jnp.float32)
 
             def key_loop(value_cols, copy_k_refs):
-                """q·h[:, value_cols] and each copy's q·k^T, summed over K in block_k steps."""
+                """q·h[:, value_cols] (omitted where value_cols is None) and each copy's q·k^T,
+                summed over K in block_k steps."""
+                with_state = value_cols is not None
                 def key_step(j, acc):
                     key_cols = pl.ds(j * block_k, block_k)
                     q_part = load_rows(q_ref.at[chunk_rows, key_cols])     # [BT, BK]
-                    state = h_ref[i, key_cols, value_cols]                  # [BK, BV]
-                    dot_dtype = jnp.promote_types(q_part.dtype, state.dtype)
-                    o_state = acc[0] + plgpu.dot(q_part.astype(dot_dtype), state.astype(dot_dtype))
+                    if with_state:
+                        o_state = acc[0] + state_dot(q_part, h_ref[i, key_cols, value_cols])
                     scores = [score + plgpu.dot(q_part, load_rows(k_ref.at[chunk_rows, key_cols]),
                                                 trans_b=True)               # [BT, BT]
-                              for score, k_ref in zip(acc[1:], copy_k_refs)]
-                    return (o_state, *scores)
-                init = (zeros(block_v),) + tuple(zeros(chunk_size) for _ in copy_k_refs)
+                              for score, k_ref in zip(acc[with_state:], copy_k_refs)]
+                    return (o_state, *scores) if with_state else tuple(scores)
+                init = ((zeros(block_v),) if with_state else ()) + tuple(
+                    zeros(chunk_size) for _ in copy_k_refs)
                 return jax.lax.fori_loop(0, q_ref.shape[-1] // block_k, key_step, init)
 
-            def weigh(score):                                       # [BT, BT] f32 -> v's dtype
-                score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
-                return score.astype(v_refs[0].dtype)
+            if value_step is not None:
+                # The K loop makes only the scores; a second loop over value columns then makes
+                # q·h and the score·v dots, its h and v tiles pipelined like the K loop's.
+                scores = [weigh(score) for score in key_loop(None, k_refs)]
 
-            def finish(o_state, scores, value_cols):
-                o = o_state if row_weight is None else o_state * row_weight[:, None]
-                for score, v_ref in zip(scores, v_refs):
-                    o += plgpu.dot(score, load_rows(v_ref.at[chunk_rows, value_cols]))
-                store(o, value_cols)
+                q = load_rows(q_ref.at[chunk_rows])                 # [BT, K], L2-resident by now
+
+                def value_step_body(j, carry):
+                    value_cols = pl.ds(j * value_step, value_step)
+                    finish(state_term(q, value_cols), scores, value_cols)
+                    return carry
+                jax.lax.fori_loop(0, block_v * value_blocks_per_program // value_step,
+                                  value_step_body, None)
+                return carry
 
             # One loop for the state term of value tile 0 and every copy's scores; further value
             # tiles run a state-only loop each and reuse the scores.
             value_cols = pl.ds(0, block_v)
             o_state, *scores = key_loop(value_cols, k_refs)
             scores = [weigh(score) for score in scores]
-            finish(o_state, scores, value_cols)
+            finish(weigh_rows(o_state), scores, value_cols)
             for j in range(1, value_blocks_per_program):
                 value_cols = pl.ds(j * block_v, block_v)
                 (o_state,) = key_loop(value_cols, [])
-                finish(o_state, scores, value_cols)
+                finish(weigh_rows(o_state), scores, value_cols)
             return carry
 
         if copy_order == "fused" and value_blocks_per_program == 1:
             value_cols = pl.ds(0, block_v)
-            o = state_term(value_cols)
+            o = state_term(q, value_cols)
             for k_ref, v_ref in zip(k_refs, v_refs):                # one score live at a time
                 o += plgpu.dot(copy_score(k_ref), load_rows(v_ref.at[chunk_rows, value_cols]))
             store(o, value_cols)
@@ -242,10 +289,7 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
         scores = [copy_score(k_ref) for k_ref in k_refs]
         for j in range(value_blocks_per_program):
             value_cols = pl.ds(j * block_v, block_v)
-            o = state_term(value_cols)
-            for score, v_ref in zip(scores, v_refs):                # intra-chunk term, all M copies
-                o += plgpu.dot(score, load_rows(v_ref.at[chunk_rows, value_cols]))
-            store(o, value_cols)
+            finish(state_term(q, value_cols), scores, value_cols)
         return carry
 
     if chunks_per_program == 1:
@@ -309,7 +353,7 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
         value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
         has_g=g is not None, has_segments=runs is not None, copy_order=cfg.copy_order,
-        block_k=cfg.block_k)
+        block_k=cfg.block_k, value_step=cfg.value_step)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

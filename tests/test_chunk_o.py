@@ -510,11 +510,13 @@ def test_fused_copy_order_in_interpreter(m, segments, gated):
 
 # The loop over K (KernelConfig.block_k), forced at small widths so the interpreter stays quick:
 # all M, with and without g and segments, several value tiles per program (each with its own
-# state loop), and a chunk loop around it, on ragged T.
-@pytest.mark.parametrize("m,gated,segments,value_blocks,chunks_per_program", [
-    (1, True, False, 1, 1), (2, True, True, 1, 2), (3, False, True, 2, 1), (2, False, False, 4, 1),
-    (3, True, True, 1, 3)])
-def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_program):
+# state loop), a chunk loop around it, and the state term moved to a second loop over value
+# columns (value_step: one step, or several across one or two value tiles), on ragged T.
+@pytest.mark.parametrize("m,gated,segments,value_blocks,chunks_per_program,value_step", [
+    (1, True, False, 1, 1, None), (2, True, True, 1, 2, None), (3, False, True, 2, 1, None),
+    (2, False, False, 4, 1, None), (3, True, True, 1, 3, None), (1, True, True, 1, 2, 16),
+    (2, True, False, 1, 1, 64), (2, False, True, 2, 1, 16), (3, True, True, 1, 1, 32)])
+def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_program, value_step):
     from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
     from gdp_jax.segments import segment_runs
 
@@ -525,21 +527,26 @@ def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_pr
     runs = None if p["segment_ids"] is None else segment_runs(p["segment_ids"])
     config = kernel_config(key_dim, value_dim, chunk_size, m, block_k=16,
                            block_v=value_dim // value_blocks, value_blocks_per_program=value_blocks,
-                           chunks_per_program=chunks_per_program)
+                           chunks_per_program=chunks_per_program, value_step=value_step)
     o = jax.jit(functools.partial(
         chunk_o_pallas, scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m,
         interpret=True, config=config))(p["q"], p["k"], p["v"], p["h"], p["g"], runs)
     assert rel_err(o, p["o_ref"]) < TOL[np.float32]
 
 
-def test_default_key_loop_at_k128_in_interpreter():
-    """The H200 default for 2-byte inputs at K >= 128, chunk 64 (K loop, V = 256 split over two
-    value programs), run through the public op in the interpreter on a small problem."""
+@pytest.mark.parametrize("m,value_dim,expected", [
+    (2, 256, (32, 5, 128, 1, None)),    # V = 256 split over two value programs
+    (3, 128, (64, 2, 128, 1, 64)),      # M = 3: the second loop over value columns
+])
+def test_default_key_loop_at_k128_in_interpreter(m, value_dim, expected):
+    """The H200 defaults for 2-byte inputs at K = 128, chunk 64 (the K loop), run through the
+    public op in the interpreter on a small problem."""
     from gdp_jax.chunk_o_pallas import kernel_config
 
-    config = kernel_config(128, 256, 64, 2, itemsize=2)
-    assert (config.block_k, config.block_v, config.value_blocks_per_program) == (32, 128, 1)
-    p = cached_problem(23, batch=1, tokens=150, heads=2, key_dim=128, value_dim=256, m=2,
+    config = kernel_config(128, value_dim, 64, m, itemsize=2)
+    assert (config.block_k, config.num_stages, config.block_v, config.value_blocks_per_program,
+            config.value_step) == expected
+    p = cached_problem(23, batch=1, tokens=150, heads=2, key_dim=128, value_dim=value_dim, m=m,
                        chunk_size=64, gated=True, segments=True, dtype=jnp.bfloat16)
     o = run_op(p, "interpret")
     assert o.dtype == jnp.bfloat16 and rel_err(o, p["o_ref"]) < TOL[jnp.bfloat16]
@@ -561,6 +568,12 @@ def test_key_loop_config_rules():
         kernel_config(128, 128, 64, 2, block_k=48)
     with pytest.raises(ValueError, match="block_k"):
         kernel_config(128, 128, 64, 2, block_k=32, copy_order="fused")
+    with pytest.raises(ValueError, match="value_step"):
+        kernel_config(128, 128, 64, 2, block_k=0, value_step=64)
+    with pytest.raises(ValueError, match="value_step"):
+        kernel_config(128, 128, 64, 2, value_step=256)
+    with pytest.raises(ValueError, match="value_step"):
+        kernel_config(128, 128, 64, 2, value_step=48)
 
 
 @pytest.mark.parametrize("dtype,key_dim,value_dim,chunk_size,fits", [

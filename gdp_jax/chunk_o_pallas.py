@@ -123,8 +123,9 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                                     else 4 if block_k == 32 else 2)
         if value_dim > 128 and block_v is None and value_blocks_per_program is None:
             block_v, value_blocks_per_program = 128, 1       # two value programs (K = 256: 0.708 ms)
-        if (value_step is None and not separate_state_loop and num_householder == 3 and key_dim == 128
-                and (block_v or value_dim) == 128 and (value_blocks_per_program or 1) == 1):
+        if (value_step is None and not separate_state_loop and num_householder == 3
+                and key_dim == 128 and (block_v or value_dim) == 128
+                and (value_blocks_per_program or 1) == 1):
             value_step = 64                                  # M = 3: 0.338 -> 0.325 ms
     block_k = block_k or None                                # an override of 0: no K loop
     if block_k is not None and (block_k < 16 or key_dim % block_k or block_k & (block_k - 1)):

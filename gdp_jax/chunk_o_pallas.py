@@ -54,6 +54,11 @@ class KernelConfig:
     # the v tiles are read after it). Triton pipelines that loop too, so the h and v loads become
     # asynchronous copies, and the K loop carries only the scores.
     value_step: int | None = None
+    # With the K loop: the K loop makes only the scores, and each value tile then runs its own
+    # K loop for q·h (re-reading q, from L2 by then), so the scores' and the state term's
+    # accumulators are never live together. Offline sm_90a builds: K = V = 256, M = 2 spills
+    # 0 bytes instead of 120; M = 2 at block_k 64, 0 instead of 148. Not yet timed on a GPU.
+    separate_state_loop: bool = False
 
 
 def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int,
@@ -62,7 +67,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   copy_order: str | None = None, block_k: int | None = None,
-                  value_step: int | None = None) -> KernelConfig:
+                  value_step: int | None = None,
+                  separate_state_loop: bool = False) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     ``itemsize`` is the widest of q's and h's element sizes in bytes. Override ``block_k=0`` to
@@ -117,8 +123,9 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                                     else 4 if block_k == 32 else 2)
         if value_dim > 128 and block_v is None and value_blocks_per_program is None:
             block_v, value_blocks_per_program = 128, 1       # two value programs (K = 256: 0.708 ms)
-        if (value_step is None and num_householder == 3 and key_dim == 128
-                and (block_v or value_dim) == 128 and (value_blocks_per_program or 1) == 1):
+        if (value_step is None and not separate_state_loop and num_householder == 3
+                and key_dim == 128 and (block_v or value_dim) == 128
+                and (value_blocks_per_program or 1) == 1):
             value_step = 64                                  # M = 3: 0.338 -> 0.325 ms
     block_k = block_k or None                                # an override of 0: no K loop
     if block_k is not None and (block_k < 16 or key_dim % block_k or block_k & (block_k - 1)):
@@ -131,6 +138,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         block_v = min(value_dim, 128)
     if value_blocks_per_program is None:
         value_blocks_per_program = value_dim // block_v
+    if separate_state_loop and (block_k is None or value_step is not None):
+        raise ValueError("separate_state_loop needs the K loop (block_k) and no value_step")
     if value_step is not None:
         program_width = block_v * value_blocks_per_program
         if block_k is None:
@@ -149,7 +158,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         num_stages=num_stages or 2,
         copy_order=copy_order,
         block_k=block_k,
-        value_step=value_step)
+        value_step=value_step,
+        separate_state_loop=separate_state_loop)
 
 
 def _load_rows(ref, row_valid, other=0):
@@ -162,7 +172,7 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
                     num_chunks: int, chunks_per_program: int, block_v: int,
                     value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool,
                     copy_order: str = "scores_first", block_k: int | None = None,
-                    value_step: int | None = None):
+                    value_step: int | None = None, separate_state_loop: bool = False):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -265,15 +275,17 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
                                   value_step_body, None)
                 return carry
 
-            # One loop for the state term of value tile 0 and every copy's scores; further value
-            # tiles run a state-only loop each and reuse the scores.
-            value_cols = pl.ds(0, block_v)
-            o_state, *scores = key_loop(value_cols, k_refs)
+            # One loop for every copy's scores and, unless separate_state_loop, value tile 0's
+            # state term; every other value tile runs a state-only loop and reuses the scores.
+            if separate_state_loop:
+                scores, o_states = key_loop(None, k_refs), ()
+            else:
+                o_state, *scores = key_loop(pl.ds(0, block_v), k_refs)
+                o_states = (o_state,)
             scores = [weigh(score) for score in scores]
-            finish(weigh_rows(o_state), scores, value_cols)
-            for j in range(1, value_blocks_per_program):
+            for j in range(value_blocks_per_program):
                 value_cols = pl.ds(j * block_v, block_v)
-                (o_state,) = key_loop(value_cols, [])
+                o_state = o_states[j] if j < len(o_states) else key_loop(value_cols, [])[0]
                 finish(weigh_rows(o_state), scores, value_cols)
             return carry
 
@@ -353,7 +365,8 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
         value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
         has_g=g is not None, has_segments=runs is not None, copy_order=cfg.copy_order,
-        block_k=cfg.block_k, value_step=cfg.value_step)
+        block_k=cfg.block_k, value_step=cfg.value_step,
+        separate_state_loop=cfg.separate_state_loop)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

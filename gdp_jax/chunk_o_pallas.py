@@ -56,8 +56,7 @@ class KernelConfig:
     value_step: int | None = None
     # With the K loop: the K loop makes only the scores, and each value tile then runs its own
     # K loop for q·h (re-reading q, from L2 by then), so the scores' and the state term's
-    # accumulators are never live together. Offline sm_90a builds: K = V = 256, M = 2 spills
-    # 0 bytes instead of 120; M = 2 at block_k 64, 0 instead of 148. Not yet timed on a GPU.
+    # accumulators are never live together (the default at K = 256).
     separate_state_loop: bool = False
 
 
@@ -68,7 +67,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                   num_warps: int | None = None, num_stages: int | None = None,
                   copy_order: str | None = None, block_k: int | None = None,
                   value_step: int | None = None,
-                  separate_state_loop: bool = False) -> KernelConfig:
+                  separate_state_loop: bool | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     ``itemsize`` is the widest of q's and h's element sizes in bytes. Override ``block_k=0`` to
@@ -86,8 +85,9 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       tiles in one program). All copies' scores accumulate in the one loop: a loop per copy
       ("fused") was slower everywhere (M = 2 0.320-0.328, M = 3 0.370-0.416 ms); 8 warps too (0.475 at
       M = 2). At K = V = 64 the 4-chunk pipeline stays better (0.229 vs 0.266 ms). Not measured
-      at M >= 4 or with 4-byte inputs, which keep the configs below; K = 256 at M = 1 or 3 and
-      V = 256 at K = 128 take the K = V = 256, M = 2 choice without a measurement of their own.
+      at M >= 4 or with 4-byte inputs, which keep the configs below; K = 256 at M = 1 or 3, or at
+      V <= 128, takes the K = V = 256, M = 2 choice, and V = 256 at K = 128 its two 128-wide
+      value programs, without a measurement of their own.
     - ninth session: M = 2 at K = 128 with 5 stages of block_k 32 (0.280 -> 0.274 ms, packed rows
       0.277 -> 0.273; 3 stages 0.279-0.283). M = 3 with the second loop over value columns
       (value_step 64; offline, its spills drop from 400 bytes to 24): 0.338-0.342 -> 0.324-0.325
@@ -95,6 +95,12 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       2 stages; 0.293-0.410 otherwise), K = V = 256 0.777-1.689 (q's [64, 256] tile held through
       it). Making the score weights after the K loop rather than before it was slower everywhere
       (M = 2 0.287, K = 256 0.725 ms), though it spills less.
+    - tenth session: K = V = 256 with the scores' K loop apart from each value tile's state-term
+      loop (separate_state_loop), 64 keys a step and 3 stages: 0.691-0.703 ms against 0.695-0.712
+      for the one loop, the two alternated four to six times in one process. The same split is
+      slower at K = 128, M = 2 (0.287-0.294 against 0.278) and at K = 256 with 32 keys a step
+      (0.789-1.026), 64 keys and 2 stages (0.797), 2 or 4 chunks per program (0.798-0.804),
+      the state loop first (0.719-0.793) or one 256-wide program of 8 warps (0.888-0.978).
     - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for
       more of them per SM, so more loads are in flight.
     - neighbouring programs take neighbouring heads (heads_fastest): 0.307 vs 0.320 ms (0.229 vs
@@ -118,16 +124,24 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
     # The measured regime of the K loop: 2-byte tiles, chunk 64, K of 128 or 256, M <= 3.
     k_loop = key_dim >= 128 and chunk_size == 64 and itemsize <= 2 and num_householder <= 3
     if block_k is None and k_loop:
-        block_k = 32 if num_householder == 2 or key_dim > 128 else 64
-        num_stages = num_stages or (5 if key_dim == 128 and num_householder == 2
-                                    else 4 if block_k == 32 else 2)
         if value_dim > 128 and block_v is None and value_blocks_per_program is None:
-            block_v, value_blocks_per_program = 128, 1       # two value programs (K = 256: 0.708 ms)
+            block_v, value_blocks_per_program = 128, 1       # two 128-wide value programs
+    if block_k is None and k_loop and key_dim > 128:
+        # K = 256: the scores' K loop apart from the state term's, 64 keys a step, 3 stages
+        # (0.691-0.703 ms against 0.695-0.712 for one loop of 32 keys and 4 stages, alternated
+        # in one process).
+        if separate_state_loop is None and value_step is None:
+            separate_state_loop = True
+        block_k, num_stages = 64, num_stages or 3
+    elif block_k is None and k_loop:
+        block_k = 32 if num_householder == 2 else 64
+        num_stages = num_stages or (5 if num_householder == 2 else 2)
         if (value_step is None and not separate_state_loop and num_householder == 3
                 and key_dim == 128 and (block_v or value_dim) == 128
                 and (value_blocks_per_program or 1) == 1):
             value_step = 64                                  # M = 3: 0.338 -> 0.325 ms
     block_k = block_k or None                                # an override of 0: no K loop
+    separate_state_loop = bool(separate_state_loop)
     if block_k is not None and (block_k < 16 or key_dim % block_k or block_k & (block_k - 1)):
         raise ValueError(f"block_k must be a power of two >= 16 dividing key_dim={key_dim}, "
                          f"got {block_k}")

@@ -541,20 +541,21 @@ def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_pr
     assert rel_err(o, p["o_ref"]) < TOL[np.float32]
 
 
-@pytest.mark.parametrize("m,value_dim,expected", [
-    (2, 256, (32, 5, 128, 1, None)),    # V = 256 split over two value programs
-    (3, 128, (64, 2, 128, 1, 64)),      # M = 3: the second loop over value columns
+@pytest.mark.parametrize("m,key_dim,value_dim,expected", [
+    (2, 128, 256, (32, 5, 128, 1, None, False)),    # V = 256 split over two value programs
+    (3, 128, 128, (64, 2, 128, 1, 64, False)),      # M = 3: the second loop over value columns
+    (2, 256, 256, (64, 3, 128, 1, None, True)),     # K = 256: the scores' loop apart
 ])
-def test_default_key_loop_at_k128_in_interpreter(m, value_dim, expected):
-    """The H200 defaults for 2-byte inputs at K = 128, chunk 64 (the K loop), run through the
+def test_default_key_loop_in_interpreter(m, key_dim, value_dim, expected):
+    """The H200 defaults for 2-byte inputs at K >= 128, chunk 64 (the K loop), run through the
     public op in the interpreter on a small problem."""
     from gdp_jax.chunk_o_pallas import kernel_config
 
-    config = kernel_config(128, value_dim, 64, m, itemsize=2)
+    config = kernel_config(key_dim, value_dim, 64, m, itemsize=2)
     assert (config.block_k, config.num_stages, config.block_v, config.value_blocks_per_program,
-            config.value_step) == expected
-    p = cached_problem(23, batch=1, tokens=150, heads=2, key_dim=128, value_dim=value_dim, m=m,
-                       chunk_size=64, gated=True, segments=True, dtype=jnp.bfloat16)
+            config.value_step, config.separate_state_loop) == expected
+    p = cached_problem(23, batch=1, tokens=150, heads=2, key_dim=key_dim, value_dim=value_dim,
+                       m=m, chunk_size=64, gated=True, segments=True, dtype=jnp.bfloat16)
     o = run_op(p, "interpret")
     assert o.dtype == jnp.bfloat16 and rel_err(o, p["o_ref"]) < TOL[jnp.bfloat16]
 
@@ -587,6 +588,12 @@ def test_key_loop_config_rules():
         kernel_config(128, 128, 64, 2, value_step=64, separate_state_loop=True)
     # Asking for the separate loops at M = 3 replaces its default value loop.
     assert kernel_config(128, 128, 64, 3, separate_state_loop=True).value_step is None
+    # At K = 256 the separate loops are the default; they give way to an explicit value_step,
+    # to separate_state_loop=False and to an explicit block_k.
+    assert kernel_config(256, 256, 64, 2, value_step=64).separate_state_loop is False
+    assert kernel_config(256, 256, 64, 2, separate_state_loop=False).block_k == 64
+    assert kernel_config(256, 256, 64, 2, separate_state_loop=False).separate_state_loop is False
+    assert kernel_config(256, 256, 64, 2, block_k=32, num_stages=4).separate_state_loop is False
 
 
 @pytest.mark.parametrize("dtype,key_dim,value_dim,chunk_size,fits", [

@@ -102,9 +102,6 @@ def sweep(kd, vd, m, full):
         # ... and the second loop over value columns (value_step) for q·h and score·v.
         for step, bk in itertools.product((32, 64), (32, 64)):
             out.append(dict(value_step=step, block_k=bk, num_stages=2))
-        # ... and the scores' K loop apart from the state term's (separate_state_loop).
-        for bk, stages in ((32, 4), (32, 5), (64, 2)):
-            out.append(dict(separate_state_loop=True, block_k=bk, num_stages=stages))
     return out
 
 

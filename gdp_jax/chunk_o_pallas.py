@@ -54,10 +54,6 @@ class KernelConfig:
     # the v tiles are read after it). Triton pipelines that loop too, so the h and v loads become
     # asynchronous copies, and the K loop carries only the scores.
     value_step: int | None = None
-    # With the K loop: the K loop makes only the scores, and each value tile then runs its own
-    # K loop for q·h (re-reading q, from L2 by then), so the scores' and the state term's
-    # accumulators are never live together (the default at K = 256).
-    separate_state_loop: bool = False
 
 
 def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int,
@@ -66,8 +62,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   copy_order: str | None = None, block_k: int | None = None,
-                  value_step: int | None = None,
-                  separate_state_loop: bool | None = None) -> KernelConfig:
+                  value_step: int | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     ``itemsize`` is the widest of q's and h's element sizes in bytes. Override ``block_k=0`` to
@@ -85,9 +80,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       tiles in one program). All copies' scores accumulate in the one loop: a loop per copy
       ("fused") was slower everywhere (M = 2 0.320-0.328, M = 3 0.370-0.416 ms); 8 warps too (0.475 at
       M = 2). At K = V = 64 the 4-chunk pipeline stays better (0.229 vs 0.266 ms). Not measured
-      at M >= 4 or with 4-byte inputs, which keep the configs below; K = 256 at M = 1 or 3, or at
-      V <= 128, takes the K = V = 256, M = 2 choice, and V = 256 at K = 128 its two 128-wide
-      value programs, without a measurement of their own.
+      at M >= 4 or with 4-byte inputs, which keep the configs below; K = 256 at M = 1 or 3 and
+      V = 256 at K = 128 take the K = V = 256, M = 2 choice without a measurement of their own.
     - ninth session: M = 2 at K = 128 with 5 stages of block_k 32 (0.280 -> 0.274 ms, packed rows
       0.277 -> 0.273; 3 stages 0.279-0.283). M = 3 with the second loop over value columns
       (value_step 64; offline, its spills drop from 400 bytes to 24): 0.338-0.342 -> 0.324-0.325
@@ -95,12 +89,14 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       2 stages; 0.293-0.410 otherwise), K = V = 256 0.777-1.689 (q's [64, 256] tile held through
       it). Making the score weights after the K loop rather than before it was slower everywhere
       (M = 2 0.287, K = 256 0.725 ms), though it spills less.
-    - tenth session: K = V = 256 with the scores' K loop apart from each value tile's state-term
-      loop (separate_state_loop), 64 keys a step and 3 stages: 0.691-0.703 ms against 0.695-0.712
-      for the one loop, the two alternated four to six times in one process. The same split is
-      slower at K = 128, M = 2 (0.287-0.294 against 0.278) and at K = 256 with 32 keys a step
-      (0.789-1.026), 64 keys and 2 stages (0.797), 2 or 4 chunks per program (0.798-0.804),
-      the state loop first (0.719-0.793) or one 256-wide program of 8 warps (0.888-0.978).
+    - tenth session, K = V = 256, M = 2: the same 4-stage kernel ran at 0.695-0.725 ms from one
+      process to the next (87-91 % of the floor), and configs alternated within one process
+      ranked differently from one process to the next. 5 stages: 0.710 vs 0.723 ms on one card;
+      0.691 vs 0.704, then 0.702 vs 0.697, on another card minutes apart. The scores' K loop
+      apart from the state term's (64 keys a step, 3 stages): 0.691-0.703 vs 0.695-0.712, then
+      0.744 vs 0.723. Nothing beat 4 stages by more than that spread, so it stays. Clearly
+      slower: 3 stages (0.740 vs 0.704), 64 keys with 3 stages (0.852), 2 or 4 chunks per program
+      (0.730-0.804), one 256-wide program of 8 warps (0.888-0.978).
     - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for
       more of them per SM, so more loads are in flight.
     - neighbouring programs take neighbouring heads (heads_fastest): 0.307 vs 0.320 ms (0.229 vs
@@ -124,24 +120,15 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
     # The measured regime of the K loop: 2-byte tiles, chunk 64, K of 128 or 256, M <= 3.
     k_loop = key_dim >= 128 and chunk_size == 64 and itemsize <= 2 and num_householder <= 3
     if block_k is None and k_loop:
+        block_k = 32 if num_householder == 2 or key_dim > 128 else 64
+        num_stages = num_stages or (5 if key_dim == 128 and num_householder == 2
+                                    else 4 if block_k == 32 else 2)
         if value_dim > 128 and block_v is None and value_blocks_per_program is None:
-            block_v, value_blocks_per_program = 128, 1       # two 128-wide value programs
-    if block_k is None and k_loop and key_dim > 128:
-        # K = 256: the scores' K loop apart from the state term's, 64 keys a step, 3 stages
-        # (0.691-0.703 ms against 0.695-0.712 for one loop of 32 keys and 4 stages, alternated
-        # in one process).
-        if separate_state_loop is None and value_step is None:
-            separate_state_loop = True
-        block_k, num_stages = 64, num_stages or 3
-    elif block_k is None and k_loop:
-        block_k = 32 if num_householder == 2 else 64
-        num_stages = num_stages or (5 if num_householder == 2 else 2)
-        if (value_step is None and not separate_state_loop and num_householder == 3
-                and key_dim == 128 and (block_v or value_dim) == 128
-                and (value_blocks_per_program or 1) == 1):
+            block_v, value_blocks_per_program = 128, 1       # two value programs (K = 256: 0.708 ms)
+        if (value_step is None and num_householder == 3 and key_dim == 128
+                and (block_v or value_dim) == 128 and (value_blocks_per_program or 1) == 1):
             value_step = 64                                  # M = 3: 0.338 -> 0.325 ms
     block_k = block_k or None                                # an override of 0: no K loop
-    separate_state_loop = bool(separate_state_loop)
     if block_k is not None and (block_k < 16 or key_dim % block_k or block_k & (block_k - 1)):
         raise ValueError(f"block_k must be a power of two >= 16 dividing key_dim={key_dim}, "
                          f"got {block_k}")
@@ -152,8 +139,6 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         block_v = min(value_dim, 128)
     if value_blocks_per_program is None:
         value_blocks_per_program = value_dim // block_v
-    if separate_state_loop and (block_k is None or value_step is not None):
-        raise ValueError("separate_state_loop needs the K loop (block_k) and no value_step")
     if value_step is not None:
         program_width = block_v * value_blocks_per_program
         if block_k is None:
@@ -172,8 +157,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         num_stages=num_stages or 2,
         copy_order=copy_order,
         block_k=block_k,
-        value_step=value_step,
-        separate_state_loop=separate_state_loop)
+        value_step=value_step)
 
 
 def _load_rows(ref, row_valid, other=0):
@@ -186,7 +170,7 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
                     num_chunks: int, chunks_per_program: int, block_v: int,
                     value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool,
                     copy_order: str = "scores_first", block_k: int | None = None,
-                    value_step: int | None = None, separate_state_loop: bool = False):
+                    value_step: int | None = None):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -289,17 +273,15 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
                                   value_step_body, None)
                 return carry
 
-            # One loop for every copy's scores and, unless separate_state_loop, value tile 0's
-            # state term; every other value tile runs a state-only loop and reuses the scores.
-            if separate_state_loop:
-                scores, o_states = key_loop(None, k_refs), ()
-            else:
-                o_state, *scores = key_loop(pl.ds(0, block_v), k_refs)
-                o_states = (o_state,)
+            # One loop for the state term of value tile 0 and every copy's scores; further value
+            # tiles run a state-only loop each and reuse the scores.
+            value_cols = pl.ds(0, block_v)
+            o_state, *scores = key_loop(value_cols, k_refs)
             scores = [weigh(score) for score in scores]
-            for j in range(value_blocks_per_program):
+            finish(weigh_rows(o_state), scores, value_cols)
+            for j in range(1, value_blocks_per_program):
                 value_cols = pl.ds(j * block_v, block_v)
-                o_state = o_states[j] if j < len(o_states) else key_loop(value_cols, [])[0]
+                (o_state,) = key_loop(value_cols, [])
                 finish(weigh_rows(o_state), scores, value_cols)
             return carry
 
@@ -379,8 +361,7 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
         value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
         has_g=g is not None, has_segments=runs is not None, copy_order=cfg.copy_order,
-        block_k=cfg.block_k, value_step=cfg.value_step,
-        separate_state_loop=cfg.separate_state_loop)
+        block_k=cfg.block_k, value_step=cfg.value_step)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

@@ -510,20 +510,13 @@ def test_fused_copy_order_in_interpreter(m, segments, gated):
 
 # The loop over K (KernelConfig.block_k), forced at small widths so the interpreter stays quick:
 # all M, with and without g and segments, several value tiles per program (each with its own
-# state loop), a chunk loop around it, the state term moved to a second loop over value columns
-# (value_step: one step, or several across one or two value tiles), and the scores' loop apart
-# from the state term's (separate_state_loop), on ragged T.
-VALUE_STEP_16, VALUE_STEP_32, VALUE_STEP_64 = ({"value_step": n} for n in (16, 32, 64))
-SEPARATE = {"separate_state_loop": True}
-
-
-@pytest.mark.parametrize("m,gated,segments,value_blocks,chunks_per_program,loops", [
-    (1, True, False, 1, 1, {}), (2, True, True, 1, 2, {}), (3, False, True, 2, 1, {}),
-    (2, False, False, 4, 1, {}), (3, True, True, 1, 3, {}), (1, True, True, 1, 2, VALUE_STEP_16),
-    (2, True, False, 1, 1, VALUE_STEP_64), (2, False, True, 2, 1, VALUE_STEP_16),
-    (3, True, True, 1, 1, VALUE_STEP_32), (1, True, True, 1, 1, SEPARATE),
-    (2, True, False, 2, 2, SEPARATE), (3, False, True, 1, 1, SEPARATE)])
-def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_program, loops):
+# state loop), a chunk loop around it, and the state term moved to a second loop over value
+# columns (value_step: one step, or several across one or two value tiles), on ragged T.
+@pytest.mark.parametrize("m,gated,segments,value_blocks,chunks_per_program,value_step", [
+    (1, True, False, 1, 1, None), (2, True, True, 1, 2, None), (3, False, True, 2, 1, None),
+    (2, False, False, 4, 1, None), (3, True, True, 1, 3, None), (1, True, True, 1, 2, 16),
+    (2, True, False, 1, 1, 64), (2, False, True, 2, 1, 16), (3, True, True, 1, 1, 32)])
+def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_program, value_step):
     from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
     from gdp_jax.segments import segment_runs
 
@@ -534,7 +527,7 @@ def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_pr
     runs = None if p["segment_ids"] is None else segment_runs(p["segment_ids"])
     config = kernel_config(key_dim, value_dim, chunk_size, m, block_k=16,
                            block_v=value_dim // value_blocks, value_blocks_per_program=value_blocks,
-                           chunks_per_program=chunks_per_program, **loops)
+                           chunks_per_program=chunks_per_program, value_step=value_step)
     o = jax.jit(functools.partial(
         chunk_o_pallas, scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m,
         interpret=True, config=config))(p["q"], p["k"], p["v"], p["h"], p["g"], runs)
@@ -542,9 +535,9 @@ def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_pr
 
 
 @pytest.mark.parametrize("m,key_dim,value_dim,expected", [
-    (2, 128, 256, (32, 5, 128, 1, None, False)),    # V = 256 split over two value programs
-    (3, 128, 128, (64, 2, 128, 1, 64, False)),      # M = 3: the second loop over value columns
-    (2, 256, 256, (64, 3, 128, 1, None, True)),     # K = 256: the scores' loop apart
+    (2, 128, 256, (32, 5, 128, 1, None)),    # V = 256 split over two value programs
+    (3, 128, 128, (64, 2, 128, 1, 64)),      # M = 3: the second loop over value columns
+    (2, 256, 256, (32, 4, 128, 1, None)),    # K = 256
 ])
 def test_default_key_loop_in_interpreter(m, key_dim, value_dim, expected):
     """The H200 defaults for 2-byte inputs at K >= 128, chunk 64 (the K loop), run through the
@@ -553,7 +546,7 @@ def test_default_key_loop_in_interpreter(m, key_dim, value_dim, expected):
 
     config = kernel_config(key_dim, value_dim, 64, m, itemsize=2)
     assert (config.block_k, config.num_stages, config.block_v, config.value_blocks_per_program,
-            config.value_step, config.separate_state_loop) == expected
+            config.value_step) == expected
     p = cached_problem(23, batch=1, tokens=150, heads=2, key_dim=key_dim, value_dim=value_dim,
                        m=m, chunk_size=64, gated=True, segments=True, dtype=jnp.bfloat16)
     o = run_op(p, "interpret")
@@ -582,18 +575,6 @@ def test_key_loop_config_rules():
         kernel_config(128, 128, 64, 2, value_step=256)
     with pytest.raises(ValueError, match="value_step"):
         kernel_config(128, 128, 64, 2, value_step=48)
-    with pytest.raises(ValueError, match="separate_state_loop"):
-        kernel_config(128, 128, 64, 2, block_k=0, separate_state_loop=True)
-    with pytest.raises(ValueError, match="separate_state_loop"):
-        kernel_config(128, 128, 64, 2, value_step=64, separate_state_loop=True)
-    # Asking for the separate loops at M = 3 replaces its default value loop.
-    assert kernel_config(128, 128, 64, 3, separate_state_loop=True).value_step is None
-    # At K = 256 the separate loops are the default; they give way to an explicit value_step,
-    # to separate_state_loop=False and to an explicit block_k.
-    assert kernel_config(256, 256, 64, 2, value_step=64).separate_state_loop is False
-    assert kernel_config(256, 256, 64, 2, separate_state_loop=False).block_k == 64
-    assert kernel_config(256, 256, 64, 2, separate_state_loop=False).separate_state_loop is False
-    assert kernel_config(256, 256, 64, 2, block_k=32, num_stages=4).separate_state_loop is False
 
 
 @pytest.mark.parametrize("dtype,key_dim,value_dim,chunk_size,fits", [

@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Compare kernel_config overrides of the chunk_o forward kernel, taking turns in one process.
+
+At K = V = 256 the same kernel times 2-4 % apart from one process (or card) to the next, which is
+more than most launch-config differences, and the tenth session saw the ranking of two configs
+flip between processes. So configs are compared only inside one process: each round times every
+config once, in turn, on the same rotated inputs as bench_chunk_o.py, through the public op.
+
+    PYTHONPATH=. python3 benchmarks/ab_chunk_o.py --shape "B=2,T=16384,H=16,K=256,V=256,M=2" \\
+        --configs "s4:num_stages=4;s5:num_stages=5" --rounds 4
+
+The first config is always the default ("default"); --configs adds named kernel_config keyword
+overrides ("name:key=value,key=value;..."; ints and True/False are converted). Prints each
+round, then per config the median, min and max over rounds and the % of the copy-bandwidth floor.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import copy_bandwidth, nbytes, parse_shapes, shape_label, time_jax  # noqa: E402
+
+
+def parse_named_configs(text: str) -> dict:
+    """'a:x=1,y=True;b:z=2' -> {'default': {}, 'a': {'x': 1, 'y': True}, 'b': {'z': 2}}."""
+    def value(v):
+        return int(v) if v.lstrip("-").isdigit() else {"True": True, "False": False}.get(v, v)
+    configs = {"default": {}}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, body = part.partition(":")
+        if not body:
+            raise SystemExit(f"config {part!r} needs a name: 'name:key=value,...'")
+        configs[name] = {kv.split("=")[0]: value(kv.split("=")[1]) for kv in body.split(",")}
+    return configs
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="B=2,T=16384,H=16,K=256,V=256,M=2",
+                   help="one shape, 'B=..,T=..,H=..,K=..,V=..,M=..[,segs=..]'")
+    p.add_argument("--configs", default="", help="'name:key=value,...;...' kernel_config overrides")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--sets", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--target-ms", type=float, default=150.0)
+    p.add_argument("--max-iters", type=int, default=300)
+    p.add_argument("--copy-mb", type=float, default=2048.0)
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import gdp_jax
+    import gdp_jax.chunk_o_pallas as chunk_o_pallas
+    from bench_chunk_o import make_segments, make_set
+
+    (shp,) = parse_shapes(args.shape, {})
+    configs = parse_named_configs(args.configs)
+    dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[args.dtype]
+    B, T, H, K, V, M = (shp[c] for c in "BTHKVM")
+    on_cpu = jax.devices()[0].platform == "cpu"
+
+    keys = jax.random.split(jax.random.PRNGKey(0), args.sets)
+    sets = [make_set(key, shp, dtype, args.chunk) for key in keys]
+    segment_ids = None
+    if shp["segs"]:
+        segment_ids = jnp.asarray(make_segments(np.random.default_rng(0), B, T, shp["segs"])[0])
+    inputs = [(q, k, v, h, g, segment_ids) for q, k, v, h, _, g in sets]
+    q, k, v, h, g, _ = inputs[0]
+    bandwidth = copy_bandwidth(args, on_cpu)["GBps"] * 1e9
+    floor_ms = (nbytes(q, k, v, h, g, segment_ids) + B * T * H * V * q.dtype.itemsize) / bandwidth * 1e3
+    print(f"{shape_label(shp)} {args.dtype} on {jax.devices()[0].device_kind}, jax {jax.__version__}; "
+          f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, floor {floor_ms:.4f} ms")
+
+    default_config = chunk_o_pallas.kernel_config
+    implementation = "interpret" if on_cpu else "pallas"   # on a CPU only the script's logic is checked
+    times = {name: [] for name in configs}
+    try:
+        for round_ in range(args.rounds):
+            for name, overrides in configs.items():
+                # chunk_o_pallas looks kernel_config up when it traces, so a fresh jit picks this up.
+                chunk_o_pallas.kernel_config = functools.partial(default_config, **overrides)
+                fn = jax.jit(lambda q, k, v, h, g, s: gdp_jax.chunk_gdp_fwd_o(
+                    q, k, v, h, g, segment_ids=s, chunk_size=args.chunk, num_householder=M,
+                    implementation=implementation))
+                ms, _ = time_jax(fn, inputs, target_s=args.target_ms / 1e3, reps=args.reps,
+                                 max_iters=args.max_iters)
+                times[name].append(ms)
+                print(f"round {round_} {name:>16s} {ms:.4f} ms  {floor_ms / ms:6.1%}", flush=True)
+    finally:
+        chunk_o_pallas.kernel_config = default_config
+    print(f"\n{'config':>16s} {'median ms':>9s} {'min':>7s} {'max':>7s} {'% floor':>7s}  overrides")
+    for name, ms in times.items():
+        median = statistics.median(ms)
+        print(f"{name:>16s} {median:9.4f} {min(ms):7.4f} {max(ms):7.4f} {floor_ms / median:7.1%}  "
+              f"{configs[name] or '-'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -102,10 +102,6 @@ def sweep(kd, vd, m, full):
         # ... and the second loop over value columns (value_step) for q·h and score·v.
         for step, bk in itertools.product((32, 64), (32, 64)):
             out.append(dict(value_step=step, block_k=bk, num_stages=2))
-        # ... and query rows split over programs (rows_per_program), one or two value programs.
-        for bv, stages in itertools.product((vd, min(vd, 128)), (3, 4)):
-            out.append(dict(rows_per_program=32, block_v=bv, value_blocks_per_program=1,
-                            num_stages=stages))
     return out
 
 

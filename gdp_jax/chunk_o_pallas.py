@@ -54,10 +54,6 @@ class KernelConfig:
     # the v tiles are read after it). Triton pipelines that loop too, so the h and v loads become
     # asynchronous copies, and the K loop carries only the scores.
     value_step: int | None = None
-    # Query rows per program, fewer than chunk_size (None: the whole chunk). The programs of one
-    # chunk each take a slice of its rows and all of its keys, so a program's q·k scores are
-    # [rows, BT] and no value split duplicates them. Needs the K loop and one chunk per program.
-    rows_per_program: int | None = None
 
 
 def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int,
@@ -66,8 +62,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   copy_order: str | None = None, block_k: int | None = None,
-                  value_step: int | None = None,
-                  rows_per_program: int | None = None) -> KernelConfig:
+                  value_step: int | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     ``itemsize`` is the widest of q's and h's element sizes in bytes. Override ``block_k=0`` to
@@ -130,7 +125,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                                     else 4 if block_k == 32 else 2)
         if value_dim > 128 and block_v is None and value_blocks_per_program is None:
             block_v, value_blocks_per_program = 128, 1       # two value programs (K = 256: 0.708 ms)
-        if (value_step is None and rows_per_program is None and num_householder == 3 and key_dim == 128
+        if (value_step is None and num_householder == 3 and key_dim == 128
                 and (block_v or value_dim) == 128 and (value_blocks_per_program or 1) == 1):
             value_step = 64                                  # M = 3: 0.338 -> 0.325 ms
     block_k = block_k or None                                # an override of 0: no K loop
@@ -151,14 +146,6 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         if value_step < 16 or program_width % value_step or value_step & (value_step - 1):
             raise ValueError(f"value_step must be a power of two >= 16 dividing the "
                              f"{program_width} value columns of a program, got {value_step}")
-    if rows_per_program is not None:
-        if (rows_per_program < 16 or rows_per_program >= chunk_size
-                or chunk_size % rows_per_program or rows_per_program & (rows_per_program - 1)):
-            raise ValueError(f"rows_per_program must be a power of two >= 16 below and dividing "
-                             f"chunk_size={chunk_size}, got {rows_per_program}")
-        if block_k is None or value_step is not None or (chunks_per_program or 1) != 1:
-            raise ValueError("rows_per_program needs the K loop (block_k), no value_step and one "
-                             "chunk per program")
     if copy_order is None:
         copy_order = "fused" if num_householder >= 3 and block_k is None else "scores_first"
     return KernelConfig(
@@ -170,8 +157,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         num_stages=num_stages or 2,
         copy_order=copy_order,
         block_k=block_k,
-        value_step=value_step,
-        rows_per_program=rows_per_program)
+        value_step=value_step)
 
 
 def _load_rows(ref, row_valid, other=0):
@@ -321,136 +307,6 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
         jax.lax.fori_loop(0, jnp.minimum(chunks_per_program, num_chunks - first_chunk), one_chunk, None)
 
 
-def _chunk_o_row_split_kernel(*refs, num_householder: int, scale: float, chunk_size: int,
-                              rows: int, tokens: int, block_v: int, value_blocks_per_program: int,
-                              chunk_axis: int, has_g: bool, has_segments: bool, block_k: int):
-    """One program: ``rows`` query rows of one chunk against all of the chunk's keys.
-
-    Refs: q [rows, K]; M x k [BT, K]; M x v [BT, BV*]; h [K, BV*]; with g, g at the query rows
-    [rows] and at the chunk's rows [BT]; with segments, run numbers likewise; o [rows, BV*].
-    """
-    q_ref, *refs = refs
-    k_refs, refs = refs[:num_householder], refs[num_householder:]
-    v_refs, refs = refs[:num_householder], refs[num_householder:]
-    h_ref, *refs = refs
-    g_rows_ref, g_keys_ref = (refs.pop(0), refs.pop(0)) if has_g else (None, None)
-    runs_rows_ref, runs_keys_ref = (refs.pop(0), refs.pop(0)) if has_segments else (None, None)
-    (o_ref,) = refs
-
-    row_block = pl.program_id(chunk_axis)                          # rows * row_block is row 0 here
-    chunk_start = (row_block // (chunk_size // rows)) * chunk_size
-    t_in_chunk = (row_block % (chunk_size // rows)) * rows + jax.lax.broadcasted_iota(
-        jnp.int32, (rows,), 0)                                      # [rows] query rows
-    s_in_chunk = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0)   # [BT] key rows
-    row_valid = chunk_start + t_in_chunk < tokens
-    key_valid = chunk_start + s_in_chunk < tokens
-    load_rows = functools.partial(_load_rows, row_valid=row_valid)
-    load_keys = functools.partial(_load_rows, row_valid=key_valid)
-
-    pair_mask = s_in_chunk[None, :] <= t_in_chunk[:, None]        # [rows, BT] causal
-    row_weight = None
-    if has_g:
-        g_rows, g_keys = load_rows(g_rows_ref), load_keys(g_keys_ref)
-        row_weight = jnp.exp2(g_rows)
-    if has_segments:
-        run_rows = load_rows(runs_rows_ref, other=_PAD_RUN)
-        run_keys = load_keys(runs_keys_ref, other=_PAD_RUN)
-        pair_mask &= run_rows[:, None] == run_keys[None, :]
-        live_at_c0 = run_rows == jnp.min(run_keys)                  # key row 0 is the chunk's c0
-        row_weight = (jnp.where(live_at_c0, row_weight, 0.0) if has_g
-                      else live_at_c0.astype(jnp.float32))
-    if has_g:
-        pair_weight = jnp.where(pair_mask, jnp.exp2(g_rows[:, None] - g_keys[None, :]), 0.0)
-
-    def weigh(score):
-        score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
-        return score.astype(v_refs[0].dtype)
-
-    def state_dot(q_cols, state):
-        dot_dtype = jnp.promote_types(q_cols.dtype, state.dtype)
-        return plgpu.dot(q_cols.astype(dot_dtype), state.astype(dot_dtype))
-
-    def key_loop(value_cols, copy_k_refs):
-        """q·h[:, value_cols] and each copy's q·k^T over K in block_k steps (as in _chunk_o_kernel)."""
-        def key_step(j, acc):
-            key_cols = pl.ds(j * block_k, block_k)
-            q_part = load_rows(q_ref.at[:, key_cols])               # [rows, BK]
-            o_state = acc[0] + state_dot(q_part, h_ref[key_cols, value_cols])
-            scores = [score + plgpu.dot(q_part, load_keys(k_ref.at[:, key_cols]), trans_b=True)
-                      for score, k_ref in zip(acc[1:], copy_k_refs)]   # [rows, BT]
-            return (o_state, *scores)
-        init = (jnp.zeros((rows, block_v), jnp.float32),) + tuple(
-            jnp.zeros((rows, chunk_size), jnp.float32) for _ in copy_k_refs)
-        return jax.lax.fori_loop(0, q_ref.shape[-1] // block_k, key_step, init)
-
-    scores = None
-    for j in range(value_blocks_per_program):
-        value_cols = pl.ds(j * block_v, block_v)
-        o, *new_scores = key_loop(value_cols, k_refs if scores is None else [])
-        scores = scores or [weigh(score) for score in new_scores]
-        if row_weight is not None:
-            o = o * row_weight[:, None]
-        for score, v_ref in zip(scores, v_refs):
-            o += plgpu.dot(score, load_keys(v_ref.at[:, value_cols]))
-        plgpu.store(o_ref.at[:, value_cols], (scale * o).astype(o_ref.dtype),
-                    mask=row_valid[:, None])
-
-
-def _chunk_o_row_split_call(q, k_copies, v_copies, h, g, runs, cfg, *, scale, chunk_size,
-                            num_householder, interpret):
-    """pallas_call of _chunk_o_row_split_kernel; arguments as prepared in chunk_o_pallas."""
-    batch, tokens, heads, key_dim = q.shape
-    value_dim, m, num_chunks = v_copies.shape[-1], num_householder, h.shape[1]
-    rows, row_blocks = cfg.rows_per_program, chunk_size // cfg.rows_per_program
-    block_v = cfg.block_v * cfg.value_blocks_per_program
-    if cfg.heads_fastest:
-        grid = (value_dim // block_v, heads, num_chunks * row_blocks, batch)
-        tile_ids = lambda vb, hd, rb, b: (vb, rb, b, hd)
-    else:
-        grid = (value_dim // block_v, num_chunks * row_blocks, heads, batch)
-        tile_ids = lambda vb, rb, hd, b: (vb, rb, b, hd)
-    chunk_axis = 2 if cfg.heads_fastest else 1
-
-    def spec(block_shape, index_map):
-        return pl.BlockSpec(block_shape, lambda *pids: index_map(*tile_ids(*pids)))
-
-    row_spec = lambda width, blocked: spec(
-        (None, rows, None, width), lambda vb, rb, b, hd: (b, rb, hd, vb if blocked else 0))
-    key_spec = lambda width, copy, blocked: spec(
-        (None, chunk_size, None, width),
-        lambda vb, rb, b, hd: (b, rb // row_blocks, copy * heads + hd, vb if blocked else 0))
-    operands = [q] + [k_copies] * m + [v_copies] * m + [h]
-    in_specs = ([row_spec(key_dim, False)] + [key_spec(key_dim, i, False) for i in range(m)]
-                + [key_spec(block_v, i, True) for i in range(m)]
-                + [spec((None, None, None, key_dim, block_v),
-                        lambda vb, rb, b, hd: (b, rb // row_blocks, hd, 0, vb))])
-    if g is not None:
-        operands += [g, g]
-        in_specs += [spec((None, rows, None), lambda vb, rb, b, hd: (b, rb, hd)),
-                     spec((None, chunk_size, None), lambda vb, rb, b, hd: (b, rb // row_blocks, hd))]
-    if runs is not None:
-        operands += [runs, runs]
-        in_specs += [spec((None, rows), lambda vb, rb, b, hd: (b, rb)),
-                     spec((None, chunk_size), lambda vb, rb, b, hd: (b, rb // row_blocks))]
-    kernel = functools.partial(
-        _chunk_o_row_split_kernel, num_householder=m, scale=scale, chunk_size=chunk_size,
-        rows=rows, tokens=tokens, block_v=cfg.block_v,
-        value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
-        has_g=g is not None, has_segments=runs is not None, block_k=cfg.block_k)
-    call = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v_copies.dtype),
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=row_spec(block_v, True),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name="gdp_chunk_o_fwd_rows",
-    )
-    with triton_backend_warning_filtered():
-        return call(*operands)
-
-
 def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_householder: int,
                    interpret: bool = False, config: KernelConfig | None = None) -> jax.Array:
     """o [B, T, H, V] from validated inputs; K and V must be powers of two >= 16.
@@ -488,10 +344,6 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
 
     k_copies = k.reshape(batch, tokens, m * heads, key_dim)
     v_copies = v.reshape(batch, tokens, m * heads, value_dim)
-    if cfg.rows_per_program is not None:
-        return _chunk_o_row_split_call(q, k_copies, v_copies, h, g, runs, cfg, scale=scale,
-                                       chunk_size=chunk_size, num_householder=m,
-                                       interpret=interpret)
     operands = [q] + [k_copies] * m + [v_copies] * m + [h]
     in_specs = ([token_spec(key_dim, blocked_width=False)]
                 + [token_spec(key_dim, i, blocked_width=False) for i in range(m)]

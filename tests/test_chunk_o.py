@@ -534,47 +534,6 @@ def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_pr
     assert rel_err(o, p["o_ref"]) < TOL[np.float32]
 
 
-# Query rows split over programs (KernelConfig.rows_per_program): each program takes a slice of a
-# chunk's rows against all its keys, with g and segments, one or two value tiles per program, a
-# value split over programs, and a partial last chunk.
-@pytest.mark.parametrize("m,gated,segments,chunk_size,rows,block_v,value_blocks", [
-    (2, True, True, 32, 16, 64, 1), (1, True, False, 64, 16, 32, 2), (3, False, True, 64, 32, 64, 1),
-    (2, False, False, 64, 32, 32, 1), (2, True, True, 64, 16, 32, 1)])
-def test_row_split_in_interpreter(m, gated, segments, chunk_size, rows, block_v, value_blocks):
-    from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
-    from gdp_jax.segments import segment_runs
-
-    key_dim, value_dim = 64, 64
-    p = cached_problem(29 + m + 3 * gated, batch=2, tokens=150, heads=2, key_dim=key_dim,
-                       value_dim=value_dim, m=m, chunk_size=chunk_size, gated=gated,
-                       segments=segments)
-    runs = None if p["segment_ids"] is None else segment_runs(p["segment_ids"])
-    config = kernel_config(key_dim, value_dim, chunk_size, m, block_k=16, rows_per_program=rows,
-                           block_v=block_v, value_blocks_per_program=value_blocks)
-    o = jax.jit(functools.partial(
-        chunk_o_pallas, scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m,
-        interpret=True, config=config))(p["q"], p["k"], p["v"], p["h"], p["g"], runs)
-    assert rel_err(o, p["o_ref"]) < TOL[np.float32]
-
-
-def test_row_split_config_rules():
-    from gdp_jax.chunk_o_pallas import kernel_config
-
-    assert kernel_config(256, 256, 64, 2, rows_per_program=32).rows_per_program == 32
-    assert kernel_config(256, 256, 64, 2).rows_per_program is None
-    for rows in (8, 48, 64, 128):
-        with pytest.raises(ValueError, match="rows_per_program"):
-            kernel_config(256, 256, 64, 2, rows_per_program=rows)
-    with pytest.raises(ValueError, match="rows_per_program"):
-        kernel_config(256, 256, 64, 2, block_k=0, rows_per_program=32)
-    with pytest.raises(ValueError, match="rows_per_program"):
-        kernel_config(128, 128, 64, 3, rows_per_program=32, value_step=64)
-    # Asking for the row split at M = 3 replaces its default value loop.
-    assert kernel_config(128, 128, 64, 3, rows_per_program=32).value_step is None
-    with pytest.raises(ValueError, match="rows_per_program"):
-        kernel_config(256, 256, 64, 2, rows_per_program=32, chunks_per_program=2)
-
-
 @pytest.mark.parametrize("m,key_dim,value_dim,expected", [
     (2, 128, 256, (32, 5, 128, 1, None)),    # V = 256 split over two value programs
     (3, 128, 128, (64, 2, 128, 1, 64)),      # M = 3: the second loop over value columns

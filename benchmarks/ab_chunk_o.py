@@ -29,14 +29,14 @@ from bench_common import copy_bandwidth, nbytes, parse_shapes, shape_label, time
 
 def parse_named_configs(text: str) -> dict:
     """'a:x=1,y=True;b:z=2' -> {'default': {}, 'a': {'x': 1, 'y': True}, 'b': {'z': 2}}."""
-    def value(v):
-        return int(v) if v.lstrip("-").isdigit() else {"True": True, "False": False}.get(v, v)
+    from tune_chunk_o import parse_configs    # the tuner's 'key=value,...' syntax
+
     configs = {"default": {}}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         name, _, body = part.partition(":")
         if not body:
             raise SystemExit(f"config {part!r} needs a name: 'name:key=value,...'")
-        configs[name] = {kv.split("=")[0]: value(kv.split("=")[1]) for kv in body.split(",")}
+        (configs[name],) = parse_configs(body)
     return configs
 
 

@@ -11,7 +11,8 @@ config once, in turn, on the same rotated inputs as bench_chunk_o.py, through th
 
 The first config is always the default ("default"); --configs adds named kernel_config keyword
 overrides ("name:key=value,key=value;..."; ints and True/False are converted). Prints each
-round, then per config the median, min and max over rounds and the % of the copy-bandwidth floor.
+round, then per config the median, min and max over rounds, the % of the copy-bandwidth floor, and
+the config's largest output difference from the default's, relative to the output's largest entry.
 """
 from __future__ import annotations
 
@@ -84,6 +85,8 @@ def main(argv=None):
     default_config = chunk_o_pallas.kernel_config
     implementation = "interpret" if on_cpu else "pallas"   # on a CPU only the script's logic is checked
     times = {name: [] for name in configs}
+    reference_out = None
+    worst_error = {}
     try:
         for round_ in range(args.rounds):
             for name, overrides in configs.items():
@@ -92,17 +95,28 @@ def main(argv=None):
                 fn = jax.jit(lambda q, k, v, h, g, s: gdp_jax.chunk_gdp_fwd_o(
                     q, k, v, h, g, segment_ids=s, chunk_size=args.chunk, num_householder=M,
                     implementation=implementation))
+                if round_ == 0:
+                    # A fast config is worthless if it is wrong: every config's output must match
+                    # the default's (the same math, only tiling and accumulation order differ).
+                    out = np.asarray(fn(*inputs[0]), np.float32)
+                    if reference_out is None:
+                        reference_out = out
+                    worst_error[name] = float(np.max(np.abs(out - reference_out))
+                                              / (np.max(np.abs(reference_out)) + 1e-30))
                 ms, _ = time_jax(fn, inputs, target_s=args.target_ms / 1e3, reps=args.reps,
                                  max_iters=args.max_iters)
                 times[name].append(ms)
                 print(f"round {round_} {name:>16s} {ms:.4f} ms  {floor_ms / ms:6.1%}", flush=True)
     finally:
         chunk_o_pallas.kernel_config = default_config
-    print(f"\n{'config':>16s} {'median ms':>9s} {'min':>7s} {'max':>7s} {'% floor':>7s}  overrides")
+    print(f"\n{'config':>16s} {'median ms':>9s} {'min':>7s} {'max':>7s} {'% floor':>7s} "
+          f"{'rel err':>8s}  overrides")
     for name, ms in times.items():
         median = statistics.median(ms)
-        print(f"{name:>16s} {median:9.4f} {min(ms):7.4f} {max(ms):7.4f} {floor_ms / median:7.1%}  "
-              f"{configs[name] or '-'}")
+        print(f"{name:>16s} {median:9.4f} {min(ms):7.4f} {max(ms):7.4f} {floor_ms / median:7.1%} "
+              f"{worst_error.get(name, float('nan')):8.1e}  {configs[name] or '-'}")
+    return {name: {"median_ms": statistics.median(ms), "rel_err": worst_error.get(name)}
+            for name, ms in times.items()}
 
 
 if __name__ == "__main__":

@@ -31,10 +31,12 @@ def test_bench_chunk_o_tiny(tmp_path, capsys):
 def test_ab_chunk_o_tiny(capsys):
     import ab_chunk_o
 
-    ab_chunk_o.main(["--shape", "B=1,T=100,H=2,K=32,V=32,M=2,segs=3", "--configs",
-                     "k16:block_k=16", "--rounds", "1", "--sets", "2", *QUICK])
+    results = ab_chunk_o.main(["--shape", "B=1,T=100,H=2,K=32,V=32,M=2,segs=3", "--configs",
+                               "k16:block_k=16", "--rounds", "1", "--sets", "2", *QUICK])
     printed = capsys.readouterr().out
     assert "default" in printed and "{'block_k': 16}" in printed
+    assert results["default"]["rel_err"] == 0.0
+    assert results["k16"]["rel_err"] < 1e-2        # another K tiling: at most f32 rounding
 
 
 def test_ab_chunk_o_rejects_unnamed_config():

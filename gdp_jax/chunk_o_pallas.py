@@ -54,6 +54,12 @@ class KernelConfig:
     # the v tiles are read after it). Triton pipelines that loop too, so the h and v loads become
     # asynchronous copies, and the K loop carries only the scores.
     value_step: int | None = None
+    # With the K loop (experimental, off by default): L2 eviction hints, evict_last on q and k
+    # (the chunk's other value programs read them again) and evict_first on h and v (read once).
+    l2_hints: bool = False
+    # With the K loop, no value_step and one value tile per program: load the v tiles before the
+    # K loop, so their latency hides behind it (held in registers through it; default at K = 256).
+    prefetch_values: bool = False
 
 
 def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder: int,
@@ -62,7 +68,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   copy_order: str | None = None, block_k: int | None = None,
-                  value_step: int | None = None) -> KernelConfig:
+                  value_step: int | None = None, l2_hints: bool = False,
+                  prefetch_values: bool | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
     ``itemsize`` is the widest of q's and h's element sizes in bytes. Override ``block_k=0`` to
@@ -119,7 +126,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
     small = key_dim <= 64 and value_dim <= 64
     # The measured regime of the K loop: 2-byte tiles, chunk 64, K of 128 or 256, M <= 3.
     k_loop = key_dim >= 128 and chunk_size == 64 and itemsize <= 2 and num_householder <= 3
-    if block_k is None and k_loop:
+    default_key_loop = block_k is None and k_loop
+    if default_key_loop:
         block_k = 32 if num_householder == 2 or key_dim > 128 else 64
         num_stages = num_stages or (5 if key_dim == 128 and num_householder == 2
                                     else 4 if block_k == 32 else 2)
@@ -146,6 +154,16 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         if value_step < 16 or program_width % value_step or value_step & (value_step - 1):
             raise ValueError(f"value_step must be a power of two >= 16 dividing the "
                              f"{program_width} value columns of a program, got {value_step}")
+    if prefetch_values is None:
+        # K = 256, M <= 2: 0.695 -> 0.688 ms (K = 128: 0.268 -> 0.343 at M = 2; the tiles held
+        # through the loop crowd out its registers).
+        prefetch_values = (default_key_loop and block_k is not None and key_dim > 128
+                           and num_householder <= 2 and value_step is None
+                           and value_blocks_per_program == 1)
+    if (l2_hints or prefetch_values) and block_k is None:
+        raise ValueError("l2_hints and prefetch_values need the K loop (block_k)")
+    if prefetch_values and (value_step is not None or value_blocks_per_program != 1):
+        raise ValueError("prefetch_values needs one value tile per program and no value_step")
     if copy_order is None:
         copy_order = "fused" if num_householder >= 3 and block_k is None else "scores_first"
     return KernelConfig(
@@ -157,20 +175,23 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         num_stages=num_stages or 2,
         copy_order=copy_order,
         block_k=block_k,
-        value_step=value_step)
+        value_step=value_step,
+        l2_hints=l2_hints,
+        prefetch_values=prefetch_values)
 
 
-def _load_rows(ref, row_valid, other=0):
+def _load_rows(ref, row_valid, other=0, eviction_policy=None):
     """Masked load of a [rows, ...] tile; rows past the end of the sequence read ``other``."""
     mask = row_valid.reshape(row_valid.shape + (1,) * (len(ref.shape) - 1))
-    return plgpu.load(ref, mask=mask, other=other)
+    return plgpu.load(ref, mask=mask, other=other, eviction_policy=eviction_policy)
 
 
 def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, tokens: int,
                     num_chunks: int, chunks_per_program: int, block_v: int,
                     value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool,
                     copy_order: str = "scores_first", block_k: int | None = None,
-                    value_step: int | None = None):
+                    value_step: int | None = None, l2_hints: bool = False,
+                    prefetch_values: bool = False):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
     v_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -230,10 +251,20 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
             plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
                         mask=row_valid[:, None])
 
-        def finish(o, scores, value_cols):
-            """Adds every copy's score·v (the intra-chunk term) to the state term o; stores."""
-            for score, v_ref in zip(scores, v_refs):
-                o += plgpu.dot(score, load_rows(v_ref.at[chunk_rows, value_cols]))
+        reused = "evict_last" if l2_hints else None      # q, k: other value programs reread them
+        streamed = "evict_first" if l2_hints else None   # h, v: read once
+
+        def load_values(value_cols):
+            return [load_rows(v_ref.at[chunk_rows, value_cols], eviction_policy=streamed)
+                    for v_ref in v_refs]
+
+        def finish(o, scores, value_cols, values=None):
+            """Adds every copy's score·v (the intra-chunk term) to the state term o; stores.
+            ``values``: the v tiles if already loaded, else each is loaded just before its dot."""
+            for copy, (score, v_ref) in enumerate(zip(scores, v_refs)):
+                v = (values[copy] if values is not None
+                     else load_rows(v_ref.at[chunk_rows, value_cols], eviction_policy=streamed))
+                o += plgpu.dot(score, v)
             store(o, value_cols)
 
         if block_k is not None:
@@ -247,11 +278,17 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
                 with_state = value_cols is not None
                 def key_step(j, acc):
                     key_cols = pl.ds(j * block_k, block_k)
-                    q_part = load_rows(q_ref.at[chunk_rows, key_cols])     # [BT, BK]
+                    q_part = load_rows(q_ref.at[chunk_rows, key_cols],
+                                       eviction_policy=reused)              # [BT, BK]
                     if with_state:
-                        o_state = acc[0] + state_dot(q_part, h_ref[i, key_cols, value_cols])
-                    scores = [score + plgpu.dot(q_part, load_rows(k_ref.at[chunk_rows, key_cols]),
-                                                trans_b=True)               # [BT, BT]
+                        h_part = (plgpu.load(h_ref.at[i, key_cols, value_cols],
+                                             eviction_policy=streamed) if l2_hints
+                                  else h_ref[i, key_cols, value_cols])      # [BK, BV]
+                        o_state = acc[0] + state_dot(q_part, h_part)
+                    scores = [score + plgpu.dot(
+                                  q_part, load_rows(k_ref.at[chunk_rows, key_cols],
+                                                    eviction_policy=reused), trans_b=True)
+                              # [BT, BT]
                               for score, k_ref in zip(acc[with_state:], copy_k_refs)]
                     return (o_state, *scores) if with_state else tuple(scores)
                 init = ((zeros(block_v),) if with_state else ()) + tuple(
@@ -276,9 +313,10 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
             # One loop for the state term of value tile 0 and every copy's scores; further value
             # tiles run a state-only loop each and reuse the scores.
             value_cols = pl.ds(0, block_v)
+            values = load_values(value_cols) if prefetch_values else None
             o_state, *scores = key_loop(value_cols, k_refs)
             scores = [weigh(score) for score in scores]
-            finish(weigh_rows(o_state), scores, value_cols)
+            finish(weigh_rows(o_state), scores, value_cols, values)
             for j in range(1, value_blocks_per_program):
                 value_cols = pl.ds(j * block_v, block_v)
                 (o_state,) = key_loop(value_cols, [])
@@ -361,7 +399,8 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
         value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
         has_g=g is not None, has_segments=runs is not None, copy_order=cfg.copy_order,
-        block_k=cfg.block_k, value_step=cfg.value_step)
+        block_k=cfg.block_k, value_step=cfg.value_step, l2_hints=cfg.l2_hints,
+        prefetch_values=cfg.prefetch_values)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

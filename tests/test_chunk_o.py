@@ -534,10 +534,37 @@ def test_key_loop_in_interpreter(m, gated, segments, value_blocks, chunks_per_pr
     assert rel_err(o, p["o_ref"]) < TOL[np.float32]
 
 
+# The K loop's experimental options (off by default): L2 eviction hints and the v tiles loaded
+# before the loop. Hints mean nothing to the interpreter, but their code path runs.
+@pytest.mark.parametrize("m,value_blocks,l2_hints,prefetch_values", [
+    (2, 1, True, True), (3, 2, True, False), (1, 1, False, True)])
+def test_key_loop_options_in_interpreter(m, value_blocks, l2_hints, prefetch_values):
+    from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
+    from gdp_jax.segments import segment_runs
+
+    key_dim, value_dim, chunk_size = 64, 32, 16
+    p = cached_problem(29 + m, batch=2, tokens=53, heads=2, key_dim=key_dim, value_dim=value_dim,
+                       m=m, chunk_size=chunk_size, gated=True, segments=True)
+    config = kernel_config(key_dim, value_dim, chunk_size, m, block_k=16,
+                           block_v=value_dim // value_blocks, value_blocks_per_program=value_blocks,
+                           l2_hints=l2_hints, prefetch_values=prefetch_values)
+    o = jax.jit(functools.partial(
+        chunk_o_pallas, scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m,
+        interpret=True, config=config))(p["q"], p["k"], p["v"], p["h"], p["g"],
+                                        segment_runs(p["segment_ids"]))
+    assert rel_err(o, p["o_ref"]) < TOL[np.float32]
+    with pytest.raises(ValueError, match="need the K loop"):
+        kernel_config(key_dim, value_dim, chunk_size, m, l2_hints=l2_hints,
+                      prefetch_values=prefetch_values)
+    with pytest.raises(ValueError, match="prefetch_values needs one value tile"):
+        kernel_config(key_dim, value_dim, chunk_size, m, block_k=16, block_v=16,
+                      value_blocks_per_program=2, prefetch_values=True)
+
+
 @pytest.mark.parametrize("m,key_dim,value_dim,expected", [
-    (2, 128, 256, (32, 5, 128, 1, None)),    # V = 256 split over two value programs
-    (3, 128, 128, (64, 2, 128, 1, 64)),      # M = 3: the second loop over value columns
-    (2, 256, 256, (32, 4, 128, 1, None)),    # K = 256
+    (2, 128, 256, (32, 5, 128, 1, None, False)),    # V = 256 split over two value programs
+    (3, 128, 128, (64, 2, 128, 1, 64, False)),      # M = 3: the second loop over value columns
+    (2, 256, 256, (32, 4, 128, 1, None, True)),    # K = 256: v loaded before the K loop
 ])
 def test_default_key_loop_in_interpreter(m, key_dim, value_dim, expected):
     """The H200 defaults for 2-byte inputs at K >= 128, chunk 64 (the K loop), run through the
@@ -546,7 +573,7 @@ def test_default_key_loop_in_interpreter(m, key_dim, value_dim, expected):
 
     config = kernel_config(key_dim, value_dim, 64, m, itemsize=2)
     assert (config.block_k, config.num_stages, config.block_v, config.value_blocks_per_program,
-            config.value_step) == expected
+            config.value_step, config.prefetch_values) == expected
     p = cached_problem(23, batch=1, tokens=150, heads=2, key_dim=key_dim, value_dim=value_dim,
                        m=m, chunk_size=64, gated=True, segments=True, dtype=jnp.bfloat16)
     o = run_op(p, "interpret")
@@ -565,6 +592,12 @@ def test_key_loop_config_rules():
     assert kernel_config(64, 64, 64, 2).block_k is None
     assert kernel_config(128, 128, 64, 4).block_k is None
     assert kernel_config(128, 128, 64, 2, block_k=0).block_k is None
+    # The v tiles load before the K loop by default only at K = 256 with M <= 2.
+    assert kernel_config(256, 128, 64, 1).prefetch_values
+    assert not kernel_config(256, 256, 64, 3).prefetch_values
+    assert not kernel_config(128, 128, 64, 2).prefetch_values
+    assert not kernel_config(256, 256, 64, 2, block_k=0).prefetch_values
+    assert not kernel_config(256, 256, 64, 2, prefetch_values=False).prefetch_values
     with pytest.raises(ValueError, match="block_k"):
         kernel_config(128, 128, 64, 2, block_k=48)
     with pytest.raises(ValueError, match="block_k"):

@@ -592,8 +592,9 @@ def test_key_loop_config_rules():
     assert kernel_config(64, 64, 64, 2).block_k is None
     assert kernel_config(128, 128, 64, 4).block_k is None
     assert kernel_config(128, 128, 64, 2, block_k=0).block_k is None
-    # The v tiles load before the K loop by default only at K = 256 with M <= 2.
-    assert kernel_config(256, 128, 64, 1).prefetch_values
+    # The v tiles load before the K loop by default only at K = 256 with M = 2.
+    assert kernel_config(256, 128, 64, 2).prefetch_values
+    assert not kernel_config(256, 256, 64, 1).prefetch_values
     assert not kernel_config(256, 256, 64, 3).prefetch_values
     assert not kernel_config(128, 128, 64, 2).prefetch_values
     assert not kernel_config(256, 256, 64, 2, block_k=0).prefetch_values

@@ -54,9 +54,6 @@ class KernelConfig:
     # the v tiles are read after it). Triton pipelines that loop too, so the h and v loads become
     # asynchronous copies, and the K loop carries only the scores.
     value_step: int | None = None
-    # With the K loop (experimental, off by default): L2 eviction hints, evict_last on q and k
-    # (the chunk's other value programs read them again) and evict_first on h and v (read once).
-    l2_hints: bool = False
     # With the K loop, no value_step and one value tile per program: load the v tiles before the
     # K loop, so their latency hides behind it (held in registers through it; default at K = 256
     # with M = 2 only).
@@ -69,7 +66,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
                   chunks_per_program: int | None = None, heads_fastest: bool | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   copy_order: str | None = None, block_k: int | None = None,
-                  value_step: int | None = None, l2_hints: bool = False,
+                  value_step: int | None = None,
                   prefetch_values: bool | None = None) -> KernelConfig:
     """Block and launch sizes for padded (power-of-two) K and V; keyword overrides are for tuning.
 
@@ -162,8 +159,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         prefetch_values = (default_key_loop and block_k is not None and key_dim > 128
                            and num_householder == 2 and value_step is None
                            and value_blocks_per_program == 1)
-    if (l2_hints or prefetch_values) and block_k is None:
-        raise ValueError("l2_hints and prefetch_values need the K loop (block_k)")
+    if prefetch_values and block_k is None:
+        raise ValueError("prefetch_values needs the K loop (block_k)")
     if prefetch_values and (value_step is not None or value_blocks_per_program != 1):
         raise ValueError("prefetch_values needs one value tile per program and no value_step")
     if copy_order is None:
@@ -178,21 +175,20 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         copy_order=copy_order,
         block_k=block_k,
         value_step=value_step,
-        l2_hints=l2_hints,
         prefetch_values=prefetch_values)
 
 
-def _load_rows(ref, row_valid, other=0, eviction_policy=None):
+def _load_rows(ref, row_valid, other=0):
     """Masked load of a [rows, ...] tile; rows past the end of the sequence read ``other``."""
     mask = row_valid.reshape(row_valid.shape + (1,) * (len(ref.shape) - 1))
-    return plgpu.load(ref, mask=mask, other=other, eviction_policy=eviction_policy)
+    return plgpu.load(ref, mask=mask, other=other)
 
 
 def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, tokens: int,
                     num_chunks: int, chunks_per_program: int, block_v: int,
                     value_blocks_per_program: int, chunk_axis: int, has_g: bool, has_segments: bool,
                     copy_order: str = "scores_first", block_k: int | None = None,
-                    value_step: int | None = None, l2_hints: bool = False,
+                    value_step: int | None = None,
                     prefetch_values: bool = False):
     q_ref, *refs = refs
     k_refs, refs = refs[:num_householder], refs[num_householder:]
@@ -253,19 +249,15 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
             plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
                         mask=row_valid[:, None])
 
-        reused = "evict_last" if l2_hints else None      # q, k: other value programs reread them
-        streamed = "evict_first" if l2_hints else None   # h, v: read once
-
         def load_values(value_cols):
-            return [load_rows(v_ref.at[chunk_rows, value_cols], eviction_policy=streamed)
-                    for v_ref in v_refs]
+            return [load_rows(v_ref.at[chunk_rows, value_cols]) for v_ref in v_refs]
 
         def finish(o, scores, value_cols, values=None):
             """Adds every copy's score·v (the intra-chunk term) to the state term o; stores.
             ``values``: the v tiles if already loaded, else each is loaded just before its dot."""
             for copy, (score, v_ref) in enumerate(zip(scores, v_refs)):
                 v = (values[copy] if values is not None
-                     else load_rows(v_ref.at[chunk_rows, value_cols], eviction_policy=streamed))
+                     else load_rows(v_ref.at[chunk_rows, value_cols]))
                 o += plgpu.dot(score, v)
             store(o, value_cols)
 
@@ -280,17 +272,11 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
                 with_state = value_cols is not None
                 def key_step(j, acc):
                     key_cols = pl.ds(j * block_k, block_k)
-                    q_part = load_rows(q_ref.at[chunk_rows, key_cols],
-                                       eviction_policy=reused)              # [BT, BK]
+                    q_part = load_rows(q_ref.at[chunk_rows, key_cols])     # [BT, BK]
                     if with_state:
-                        h_part = (plgpu.load(h_ref.at[i, key_cols, value_cols],
-                                             eviction_policy=streamed) if l2_hints
-                                  else h_ref[i, key_cols, value_cols])      # [BK, BV]
-                        o_state = acc[0] + state_dot(q_part, h_part)
-                    scores = [score + plgpu.dot(
-                                  q_part, load_rows(k_ref.at[chunk_rows, key_cols],
-                                                    eviction_policy=reused), trans_b=True)
-                              # [BT, BT]
+                        o_state = acc[0] + state_dot(q_part, h_ref[i, key_cols, value_cols])
+                    scores = [score + plgpu.dot(q_part, load_rows(k_ref.at[chunk_rows, key_cols]),
+                                                trans_b=True)               # [BT, BT]
                               for score, k_ref in zip(acc[with_state:], copy_k_refs)]
                     return (o_state, *scores) if with_state else tuple(scores)
                 init = ((zeros(block_v),) if with_state else ()) + tuple(
@@ -401,8 +387,7 @@ def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_ho
         num_chunks=num_chunks, chunks_per_program=cpp, block_v=cfg.block_v,
         value_blocks_per_program=cfg.value_blocks_per_program, chunk_axis=chunk_axis,
         has_g=g is not None, has_segments=runs is not None, copy_order=cfg.copy_order,
-        block_k=cfg.block_k, value_step=cfg.value_step, l2_hints=cfg.l2_hints,
-        prefetch_values=cfg.prefetch_values)
+        block_k=cfg.block_k, value_step=cfg.value_step, prefetch_values=cfg.prefetch_values)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, tokens, heads, value_dim), v.dtype),

@@ -43,8 +43,8 @@ def test_widths_and_chunks(key_dim, value_dim, chunk_size, dtype):
 @pytest.mark.parametrize("m,value_dim", [(1, 256), (3, 256), (2, 128), (3, 64)])
 def test_key_dim_256_defaults(m, value_dim):
     """K = 256 outside the one timed shape (M = 2, V = 256, the width test above): kernel_config
-    gives these its K = V = 256, M = 2 choice without a timing of their own, so check that they
-    compile and agree."""
+    gives these its K = V = 256, M = 2 choice (at M = 1 and 3 without loading v before the K
+    loop, which was slower there), so check that they compile and agree."""
     p = make_problem(300 + m + value_dim, batch=2, tokens=300, heads=3, key_dim=256,
                      value_dim=value_dim, m=m, chunk_size=64, gated=True, segments=True,
                      dtype=jnp.bfloat16)

@@ -17,6 +17,7 @@ the config's largest output difference from the default's, relative to the outpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -25,7 +26,8 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import copy_bandwidth, nbytes, parse_shapes, shape_label, time_jax  # noqa: E402
+from bench_common import (GpuMonitor, copy_bandwidth, nbytes, parse_shapes,  # noqa: E402
+                          shape_label, time_jax)
 
 
 def parse_named_configs(text: str) -> dict:
@@ -87,6 +89,7 @@ def main(argv=None):
     times = {name: [] for name in configs}
     reference_out = None
     worst_error = {}
+    monitor = GpuMonitor() if not on_cpu else None   # SM clock and power cap during each loop
     try:
         for round_ in range(args.rounds):
             for name, overrides in configs.items():
@@ -103,12 +106,17 @@ def main(argv=None):
                         reference_out = out
                     worst_error[name] = float(np.max(np.abs(out - reference_out))
                                               / (np.max(np.abs(reference_out)) + 1e-30))
-                ms, _ = time_jax(fn, inputs, target_s=args.target_ms / 1e3, reps=args.reps,
-                                 max_iters=args.max_iters)
+                phase = f"{name}/{round_}"
+                with monitor.phase(phase) if monitor else contextlib.nullcontext():
+                    ms, _ = time_jax(fn, inputs, target_s=args.target_ms / 1e3, reps=args.reps,
+                                     max_iters=args.max_iters)
                 times[name].append(ms)
-                print(f"round {round_} {name:>16s} {ms:.4f} ms  {floor_ms / ms:6.1%}", flush=True)
+                print(f"round {round_} {name:>16s} {ms:.4f} ms  {floor_ms / ms:6.1%}  "
+                      f"{monitor.describe(phase) if monitor else ''}", flush=True)
     finally:
         chunk_o_pallas.kernel_config = default_config
+        if monitor:
+            monitor.close()
     print(f"\n{'config':>16s} {'median ms':>9s} {'min':>7s} {'max':>7s} {'% floor':>7s} "
           f"{'rel err':>8s}  overrides")
     for name, ms in times.items():

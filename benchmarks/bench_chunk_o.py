@@ -25,6 +25,7 @@ Nothing is asserted: any failure (no fla, a Pallas exception, ...) is printed an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -38,7 +39,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from bench_common import (LOG2E, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
                           relative_error_fn,
-                          short_exc, shape_label, time_jax, time_torch, print_table)
+                          short_exc, shape_label, time_jax, time_torch, print_table, GpuMonitor)
 from gdp_jax.reference import chunk_local_log2_cumsum as chunk_cumsum_log2
 
 FLA_DEVICE = "cuda"  # where fla's extra tensors (cu_seqlens) go
@@ -249,6 +250,16 @@ def main(argv=None):
     relerr = relative_error_fn()
     rng = np.random.default_rng(args.seed)
     rows = []
+    # SM clock and power-cap state during every GPU timing loop (none on a CPU).
+    monitor = GpuMonitor() if not on_cpu else None
+
+    def timed_phase(row, impl):
+        return monitor.phase(f"{row['shape']}/{impl}") if monitor else contextlib.nullcontext()
+
+    def record_phase(row, impl):
+        if monitor and monitor.summary(f"{row['shape']}/{impl}"):
+            row[f"{impl}_gpu"] = monitor.summary(f"{row['shape']}/{impl}")
+            log(f"{'':>9}  {monitor.describe(row['shape'] + '/' + impl)}")
     for si, shp in enumerate(shapes):
         B, T, H, K, V, M = (shp[c] for c in "BTHKVM")
         label = shape_label(shp)
@@ -288,13 +299,15 @@ def main(argv=None):
                     q, k, v, h, g, segment_ids=s, scale=scale, chunk_size=BT, num_householder=M,
                     implementation=_impl))
                 targs = [(q, k, v, h, g, s) for (q, k, v, h, _, g), s in zip(sets, segs_j)]
-                ms, info = time_jax(f, targs, target_s=args.target_ms / 1e3, reps=args.reps,
-                                    max_iters=args.max_iters)
+                with timed_phase(row, impl):
+                    ms, info = time_jax(f, targs, target_s=args.target_ms / 1e3, reps=args.reps,
+                                        max_iters=args.max_iters)
                 row[f"{impl}_ms"] = ms
                 row[f"{impl}_timing"] = info
                 row[f"{impl}_GBps"] = row["bytes"] / (ms / 1e3) / 1e9
                 outs[impl] = jax.block_until_ready(f(*targs[0]))
                 log(f"{impl:>9}: {ms:.4g} ms  ({row[f'{impl}_GBps']:.0f} GB/s, N={info['n']})")
+                record_phase(row, impl)
             except Exception as e:  # noqa: BLE001
                 row[f"{impl}_error"] = short_exc(e)
                 log(f"{impl:>9}: FAILED {short_exc(e)}")
@@ -347,12 +360,14 @@ def main(argv=None):
                     return fla_fwd_o(q, k, v, h, g, scale=scale, cu_seqlens=cu, chunk_size=BT,
                                      num_householder=M, chunk_indices=ci)
 
-                ms, info = time_torch(fla_call, tsets, target_s=args.target_ms / 1e3, reps=args.reps,
-                                      max_iters=args.max_iters)
+                with timed_phase(row, "fla"):
+                    ms, info = time_torch(fla_call, tsets, target_s=args.target_ms / 1e3,
+                                          reps=args.reps, max_iters=args.max_iters)
                 row["fla_ms"] = ms
                 row["fla_timing"] = info
                 row["fla_GBps"] = row["bytes"] / (ms / 1e3) / 1e9
                 log(f"{'fla':>9}: {ms:.4g} ms  ({row['fla_GBps']:.0f} GB/s, N={info['n']})")
+                record_phase(row, "fla")
                 if not args.no_do_bench:
                     try:
                         row["fla_do_bench_ms"] = do_bench_rotated(fla_call, tsets)
@@ -383,6 +398,8 @@ def main(argv=None):
         if torch is not None:
             torch.cuda.empty_cache()
 
+    if monitor:
+        monitor.close()
     result = dict(meta=meta, copy_bandwidth=bw, rows=rows)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -400,7 +417,7 @@ def main(argv=None):
 
 def print_results(rows, meta, bw):
     hdr = ["shape", "dtype", "pallas ms", "% floor", "xla ms", "fla ms", "fla/ours", "floor ms",
-           "relerr p/x", "relerr fla"]
+           "relerr p/x", "relerr fla", "ours SM MHz, power cap"]
     lines = []
     for r in rows:
         fla_rel = r.get("fla_relerr_vs_xla", r.get("fla_relerr_vs_pallas"))
@@ -415,6 +432,8 @@ def print_results(rows, meta, bw):
             _fmt(r.get("floor_ms")),
             _fmt(r.get("pallas_relerr_vs_xla"), ".2e"),
             _fmt(fla_rel, ".2e") if not r.get("segs") else ("n/a" if "fla_ms" in r else "-"),
+            (f"{r['pallas_gpu']['sm_mhz_median']:.0f}, {r['pallas_gpu']['power_capped']:.0%}"
+             if r.get("pallas_gpu") else "-"),
         ])
     print_table(hdr, lines,
                 f"device {meta['device']} | jax {meta['jax']} | copy bandwidth "

@@ -64,6 +64,95 @@ def log(*a):
 
 
 
+class GpuMonitor:
+    """Samples the GPU's SM clock, power draw and power-cap state while timing loops run.
+
+    On an H200 the K = V = 256 chunk_o timing loops run into the card's 700 W limit: the driver's
+    software power cap engages and the SM clock falls from 1980 MHz to 840-1600 MHz (eleventh
+    session, benchmarks/RESULTS.md). How far depends on the card, which is why the same kernel
+    times 2-4 % apart on different machines. So every timed phase records what the clock did.
+
+    ``with monitor.phase(name): ...`` brackets a phase; ``monitor.summary(name)`` is then None
+    (no samples: no nvidia-smi, a CPU, or a phase shorter than the sampling period) or a dict:
+    median and min SM MHz, max power W, and the fraction of samples with the power cap active.
+    ``command`` replaces the nvidia-smi query (tests); it must print lines of "MHz, W, Active".
+    """
+
+    QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.sw_power_cap",
+             "--format=csv,noheader,nounits", "-lms", "100", "-i", "0"]
+
+    def __init__(self, command=None):
+        import shutil
+        import subprocess
+        import threading
+
+        self.samples = []                        # (perf_counter, sm_mhz, power_w, capped)
+        self.phases = {}                         # name -> (start, end)
+        self._process = None
+        command = command or self.QUERY
+        if shutil.which(command[0]) is None:
+            return
+        try:
+            self._process = subprocess.Popen(command, stdout=subprocess.PIPE,
+                                             stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self._process.stdout:
+            fields = [f.strip() for f in line.split(",")]
+            try:
+                self.samples.append((time.perf_counter(), float(fields[0]), float(fields[1]),
+                                     fields[2].lower() == "active"))
+            except (IndexError, ValueError):    # a header, "[N/A]" or an unsupported field
+                continue
+
+    def phase(self, name):
+        import contextlib
+
+        @contextlib.contextmanager
+        def bracket():
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.phases[name] = (start, time.perf_counter())
+        return bracket()
+
+    def summary(self, name):
+        start, end = self.phases[name]
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if not inside:
+            return None
+        clocks = [s[1] for s in inside]
+        return dict(samples=len(inside), sm_mhz_median=statistics.median(clocks),
+                    sm_mhz_min=min(clocks), power_w_max=max(s[2] for s in inside),
+                    power_capped=sum(s[3] for s in inside) / len(inside))
+
+    def describe(self, name):
+        """One short line for a phase's summary, or '' without samples."""
+        s = self.summary(name)
+        if s is None:
+            return ""
+        return (f"SM {s['sm_mhz_median']:.0f} MHz (min {s['sm_mhz_min']:.0f}), "
+                f"power cap {s['power_capped']:.0%} of samples, max {s['power_w_max']:.0f} W")
+
+    def close(self):
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait()
+            self._reader.join(timeout=1.0)
+            self._process = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def _pick_n(est_s, target_s, nsets, max_iters):
     n = int(target_s / max(est_s, 1e-7))
     n = max(nsets, min(max_iters, n))

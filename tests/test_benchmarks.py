@@ -44,3 +44,46 @@ def test_ab_chunk_o_rejects_unnamed_config():
 
     with pytest.raises(SystemExit, match="needs a name"):
         ab_chunk_o.parse_named_configs("block_k=16")
+
+
+def test_gpu_monitor_attributes_samples_to_phases():
+    """GpuMonitor's parsing and phase bookkeeping, fed by a stand-in for nvidia-smi that prints
+    two uncapped samples, a line it must skip, then two capped ones."""
+    import time
+
+    from bench_common import GpuMonitor
+
+    script = ("import sys, time\n"
+              "for line in ['1980, 300.5, Not Active', '1965, 310.0, Not Active', '[N/A], 1, x',"
+              " '1500, 699.0, Active', '900, 712.3, Active']:\n"
+              "    print(line, flush=True); time.sleep(0.05)\n"
+              "time.sleep(60)\n")
+    with GpuMonitor(command=[sys.executable, "-c", script]) as monitor:
+        with monitor.phase("timed"):
+            deadline = time.perf_counter() + 30
+            while len(monitor.samples) < 4 and time.perf_counter() < deadline:
+                time.sleep(0.02)
+    assert [s[1:] for s in monitor.samples] == [(1980.0, 300.5, False), (1965.0, 310.0, False),
+                                                (1500.0, 699.0, True), (900.0, 712.3, True)]
+    start, end = monitor.phases["timed"]
+    assert start <= monitor.samples[0][0] and monitor.samples[-1][0] <= end
+    # Phases split between the second and third sample, and one before any sample.
+    times = [s[0] for s in monitor.samples]
+    middle = (times[1] + times[2]) / 2
+    monitor.phases.update(cool=(start, middle), hot=(middle, end), before=(start - 2, start - 1))
+    assert monitor.summary("before") is None and monitor.describe("before") == ""
+    cool, hot = monitor.summary("cool"), monitor.summary("hot")
+    assert cool == dict(samples=2, sm_mhz_median=1972.5, sm_mhz_min=1965.0, power_w_max=310.0,
+                        power_capped=0.0)
+    assert hot["power_capped"] == 1.0 and hot["sm_mhz_min"] == 900.0 and hot["power_w_max"] == 712.3
+    assert monitor.describe("hot") == ("SM 1200 MHz (min 900), power cap 100% of samples, "
+                                       "max 712 W")
+
+
+def test_gpu_monitor_without_nvidia_smi():
+    from bench_common import GpuMonitor
+
+    with GpuMonitor(command=["surely-not-a-command-here"]) as monitor:
+        with monitor.phase("p"):
+            pass
+    assert monitor.summary("p") is None and monitor.samples == []

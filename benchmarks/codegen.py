@@ -38,6 +38,11 @@ VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
     "M3": (8, 4096, 16, 128, 128, 3, {}),
     "K64": (4, 8192, 32, 64, 64, 2, {}),
     "K256": (2, 16384, 16, 256, 256, 2, {}),
+    # v loaded before the K loop (eleventh session): the K = 256, M = 2 default, off elsewhere.
+    "K256_no_prefetch": (2, 16384, 16, 256, 256, 2, dict(prefetch_values=False)),
+    "K256_M1": (2, 16384, 16, 256, 256, 1, {}),
+    "K256_M1_prefetch": (2, 16384, 16, 256, 256, 1, dict(prefetch_values=True)),
+    "M2_prefetch": (8, 4096, 16, 128, 128, 2, dict(prefetch_values=True)),
     "M2_w8": (8, 4096, 16, 128, 128, 2, dict(block_k=0, num_warps=8)),
     "M3_scores_first": (8, 4096, 16, 128, 128, 3, dict(block_k=0, copy_order="scores_first")),
     "M2_fused": (8, 4096, 16, 128, 128, 2, dict(block_k=0, copy_order="fused")),

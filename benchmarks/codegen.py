@@ -43,6 +43,10 @@ VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
     "K256_M1": (2, 16384, 16, 256, 256, 1, {}),
     "K256_M1_prefetch": (2, 16384, 16, 256, 256, 1, dict(prefetch_values=True)),
     "M2_prefetch": (8, 4096, 16, 128, 128, 2, dict(prefetch_values=True)),
+    # Both value tiles in one program, so the scores are made once (the next K = 256 lead).
+    "K256_vb2": (2, 16384, 16, 256, 256, 2, dict(block_v=128, value_blocks_per_program=2)),
+    "K256_vb2_s3": (2, 16384, 16, 256, 256, 2, dict(block_v=128, value_blocks_per_program=2,
+                                                    num_stages=3)),
     "M2_w8": (8, 4096, 16, 128, 128, 2, dict(block_k=0, num_warps=8)),
     "M3_scores_first": (8, 4096, 16, 128, 128, 3, dict(block_k=0, copy_order="scores_first")),
     "M2_fused": (8, 4096, 16, 128, 128, 2, dict(block_k=0, copy_order="fused")),

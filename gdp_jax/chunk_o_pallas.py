@@ -55,8 +55,8 @@ class KernelConfig:
     # asynchronous copies, and the K loop carries only the scores.
     value_step: int | None = None
     # With the K loop, no value_step and one value tile per program: load the v tiles before the
-    # K loop, so their latency hides behind it (held in registers through it; default at K = 256
-    # with M = 2 only).
+    # K loop, so their latency hides behind it. They are held through the loop (in the sm_90a
+    # build, 32 KB more shared memory per program); the default at K = 256 with M = 2 only.
     prefetch_values: bool = False
 
 
@@ -160,9 +160,9 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
             raise ValueError(f"value_step must be a power of two >= 16 dividing the "
                              f"{program_width} value columns of a program, got {value_step}")
     if prefetch_values is None:
-        # K = 256, M = 2: 0.695 -> 0.688 and 0.720 -> 0.714 ms in two processes. Slower where
-        # the held tiles crowd the loop's registers: K = 256 M = 1 0.530 -> 0.559, M = 3 0.913
-        # -> 1.042; K = 128 M = 2 0.268 -> 0.343, M = 1 0.191 -> 0.200.
+        # K = 256, M = 2: 0.695 -> 0.688 and 0.720 -> 0.714 ms, on two machines. Slower
+        # elsewhere: K = 128 M = 2 0.268 -> 0.343 (the held tiles' shared memory leaves one
+        # program per SM), M = 1 0.191 -> 0.200; K = 256 M = 1 0.530 -> 0.559, M = 3 0.913 -> 1.042.
         prefetch_values = (default_key_loop and block_k is not None and key_dim > 128
                            and num_householder == 2 and value_step is None
                            and value_blocks_per_program == 1)

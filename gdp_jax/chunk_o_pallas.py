@@ -103,10 +103,10 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       slower: 3 stages (0.740 vs 0.704), 64 keys with 3 stages (0.852), 2 or 4 chunks per program
       (0.730-0.804), one 256-wide program of 8 warps (0.888-0.978).
     - eleventh session: that spread follows the machine (processes on one machine agree to
-      0.3 %): K = V = 256's timing loops hit the H200's 700 W power cap and the SM clock drops to
-      840-1600 MHz, by an amount that differs between cards. In one process per machine, v
-      loaded before the K loop (prefetch_values): 0.695 -> 0.688 and 0.720 -> 0.714 ms at
-      K = V = 256, M = 2, slower everywhere else (see the rule below). Slower at K = 256: 8 warps
+      0.3 %). K = V = 256's timing loops hit the H200's 700 W power cap, and the SM clock drops to
+      840-1600 MHz (sampled on one machine; likely by different amounts on different cards).
+      In one process per machine, v loaded before the K loop (prefetch_values): 0.695 -> 0.688
+      and 0.720 -> 0.714 ms at K = V = 256, M = 2, slower everywhere else (see the rule below). Slower at K = 256: 8 warps
       (1.086), block_k 16 with 6-8 stages (0.771-0.783), 32 query rows per program (0.865-0.952);
       no gain from L2 eviction hints (0.697).
     - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for

@@ -17,7 +17,6 @@ the config's largest output difference from the default's, relative to the outpu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import statistics
@@ -107,9 +106,9 @@ def main(argv=None):
                     worst_error[name] = float(np.max(np.abs(out - reference_out))
                                               / (np.max(np.abs(reference_out)) + 1e-30))
                 phase = f"{name}/{round_}"
-                with monitor.phase(phase) if monitor else contextlib.nullcontext():
-                    ms, _ = time_jax(fn, inputs, target_s=args.target_ms / 1e3, reps=args.reps,
-                                     max_iters=args.max_iters)
+                ms, _ = time_jax(fn, inputs, target_s=args.target_ms / 1e3, reps=args.reps,
+                                 max_iters=args.max_iters,
+                                 during=monitor.phase(phase) if monitor else None)
                 times[name].append(ms)
                 print(f"round {round_} {name:>16s} {ms:.4f} ms  {floor_ms / ms:6.1%}  "
                       f"{monitor.describe(phase) if monitor else ''}", flush=True)

@@ -72,7 +72,8 @@ class GpuMonitor:
     session, benchmarks/RESULTS.md). How far depends on the card, which is why the same kernel
     times 2-4 % apart on different machines. So every timed phase records what the clock did.
 
-    ``with monitor.phase(name): ...`` brackets a phase; ``monitor.summary(name)`` is then None
+    ``with monitor.phase(name): ...`` brackets a phase (pass one to time_jax/time_torch's
+    ``during`` so it covers the timed loops only, not compiling and warming up); ``monitor.summary(name)`` is then None
     (no samples: no nvidia-smi, a CPU, or a phase shorter than the sampling period) or a dict:
     median and min SM MHz, max power W, and the fraction of samples with the power cap active.
     ``command`` replaces the nvidia-smi query (tests); it must print lines of "MHz, W, Active".
@@ -82,6 +83,7 @@ class GpuMonitor:
              "--format=csv,noheader,nounits", "-lms", "100", "-i", "0"]
 
     def __init__(self, command=None):
+        import atexit
         import shutil
         import subprocess
         import threading
@@ -99,6 +101,7 @@ class GpuMonitor:
             return
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        atexit.register(self.close)           # never leave nvidia-smi running after a crash
 
     def _read(self):
         for line in self._process.stdout:
@@ -159,8 +162,13 @@ def _pick_n(est_s, target_s, nsets, max_iters):
     return int(math.ceil(n / nsets) * nsets)
 
 
-def time_jax(fn, sets, *, target_s, reps, max_iters):
-    """Median over reps of (wall time of N rotated back-to-back calls, after block_until_ready) / N, in ms."""
+def time_jax(fn, sets, *, target_s, reps, max_iters, during=None):
+    """Median over reps of (wall time of N rotated back-to-back calls, after block_until_ready) / N, in ms.
+
+    ``during``: a context manager entered around the timed loops only (after compiling and warming
+    up), e.g. a GpuMonitor phase."""
+    import contextlib
+
     import jax
     ns = len(sets)
     for s in sets:  # compile + warm every set
@@ -173,19 +181,22 @@ def time_jax(fn, sets, *, target_s, reps, max_iters):
     est = (time.perf_counter() - t0) / ns
     n = _pick_n(est, target_s, ns, max_iters)
     times = []
-    for _ in range(reps):
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for i in range(n):
-            out = fn(*sets[i % ns])
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / n * 1e3)
+    with during if during is not None else contextlib.nullcontext():
+        for _ in range(reps):
+            jax.block_until_ready(out)
+            t0 = time.perf_counter()
+            for i in range(n):
+                out = fn(*sets[i % ns])
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / n * 1e3)
     del out
     return statistics.median(times), dict(n=n, reps=reps, loop_ms=times)
 
 
-def time_torch(fn, sets, *, target_s, reps, max_iters):
+def time_torch(fn, sets, *, target_s, reps, max_iters, during=None):
     """Same as time_jax but with torch.cuda.Event around the loop; returns ms."""
+    import contextlib
+
     import torch
     ns = len(sets)
     t_first = time.perf_counter()
@@ -205,16 +216,17 @@ def time_torch(fn, sets, *, target_s, reps, max_iters):
     est = start.elapsed_time(end) / 1e3 / ns
     n = _pick_n(est, target_s, ns, max_iters)
     times, wall = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        start.record()
-        for i in range(n):
-            fn(*sets[i % ns])
-        end.record()
-        end.synchronize()
-        wall.append((time.perf_counter() - t0) / n * 1e3)
-        times.append(start.elapsed_time(end) / n)
+    with during if during is not None else contextlib.nullcontext():
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            start.record()
+            for i in range(n):
+                fn(*sets[i % ns])
+            end.record()
+            end.synchronize()
+            wall.append((time.perf_counter() - t0) / n * 1e3)
+            times.append(start.elapsed_time(end) / n)
     return statistics.median(times), dict(n=n, reps=reps, loop_ms=times, wall_loop_ms=wall)
 
 

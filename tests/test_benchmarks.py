@@ -87,3 +87,30 @@ def test_gpu_monitor_without_nvidia_smi():
         with monitor.phase("p"):
             pass
     assert monitor.summary("p") is None and monitor.samples == []
+
+
+def test_time_jax_enters_during_around_the_timed_loops_only():
+    """A GpuMonitor phase passed as ``during`` must not cover compiling and warming up."""
+    import contextlib
+
+    import jax.numpy as jnp
+    from bench_common import time_jax
+
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x + 1
+
+    seen = {}
+
+    @contextlib.contextmanager
+    def during():
+        seen["enter"] = len(calls)
+        yield
+        seen["exit"] = len(calls)
+
+    sets = [(jnp.ones(4),), (jnp.zeros(4),)]
+    _, info = time_jax(fn, sets, target_s=1e-3, reps=3, max_iters=10, during=during())
+    assert seen["enter"] == 2 * len(sets)                 # warm every set, then one timing estimate
+    assert seen["exit"] - seen["enter"] == info["reps"] * info["n"]

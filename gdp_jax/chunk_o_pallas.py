@@ -106,9 +106,9 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       0.3 %). K = V = 256's timing loops hit the H200's 700 W power cap, and the SM clock drops to
       840-1600 MHz (sampled on one machine; likely by different amounts on different cards).
       In one process per machine, v loaded before the K loop (prefetch_values): 0.695 -> 0.688
-      and 0.720 -> 0.714 ms at K = V = 256, M = 2, slower everywhere else (see the rule below). Slower at K = 256: 8 warps
-      (1.086), block_k 16 with 6-8 stages (0.771-0.783), 32 query rows per program (0.865-0.952);
-      no gain from L2 eviction hints (0.697).
+      and 0.720 -> 0.714 ms at K = V = 256, M = 2, slower everywhere else (see the rule below).
+      Slower at K = 256: 8 warps (1.086), block_k 16 with 6-8 stages (0.771-0.783), 32 query rows
+      per program (0.865-0.952); no gain from L2 eviction hints (0.697).
     - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for
       more of them per SM, so more loads are in flight.
     - neighbouring programs take neighbouring heads (heads_fastest): 0.307 vs 0.320 ms (0.229 vs
@@ -163,9 +163,8 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         # K = 256, M = 2: 0.695 -> 0.688 and 0.720 -> 0.714 ms, on two machines. Slower
         # elsewhere: K = 128 M = 2 0.268 -> 0.343 (the held tiles' shared memory leaves one
         # program per SM), M = 1 0.191 -> 0.200; K = 256 M = 1 0.530 -> 0.559, M = 3 0.913 -> 1.042.
-        prefetch_values = (default_key_loop and block_k is not None and key_dim > 128
-                           and num_householder == 2 and value_step is None
-                           and value_blocks_per_program == 1)
+        prefetch_values = (default_key_loop and key_dim > 128 and num_householder == 2
+                           and value_step is None and value_blocks_per_program == 1)
     if prefetch_values and block_k is None:
         raise ValueError("prefetch_values needs the K loop (block_k)")
     if prefetch_values and (value_step is not None or value_blocks_per_program != 1):
@@ -256,15 +255,14 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
             plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
                         mask=row_valid[:, None])
 
-        def load_values(value_cols):
-            return [load_rows(v_ref.at[chunk_rows, value_cols]) for v_ref in v_refs]
+        def load_value(v_ref, value_cols):                          # [BT, BV]
+            return load_rows(v_ref.at[chunk_rows, value_cols])
 
         def finish(o, scores, value_cols, values=None):
             """Adds every copy's score·v (the intra-chunk term) to the state term o; stores.
             ``values``: the v tiles if already loaded, else each is loaded just before its dot."""
             for copy, (score, v_ref) in enumerate(zip(scores, v_refs)):
-                v = (values[copy] if values is not None
-                     else load_rows(v_ref.at[chunk_rows, value_cols]))
+                v = values[copy] if values is not None else load_value(v_ref, value_cols)
                 o += plgpu.dot(score, v)
             store(o, value_cols)
 
@@ -308,7 +306,8 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
             # One loop for the state term of value tile 0 and every copy's scores; further value
             # tiles run a state-only loop each and reuse the scores.
             value_cols = pl.ds(0, block_v)
-            values = load_values(value_cols) if prefetch_values else None
+            values = ([load_value(v_ref, value_cols) for v_ref in v_refs] if prefetch_values
+                      else None)
             o_state, *scores = key_loop(value_cols, k_refs)
             scores = [weigh(score) for score in scores]
             finish(weigh_rows(o_state), scores, value_cols, values)

@@ -111,7 +111,7 @@ def main(argv=None):
                                  during=monitor.phase(phase) if monitor else None)
                 times[name].append(ms)
                 print(f"round {round_} {name:>16s} {ms:.4f} ms  {floor_ms / ms:6.1%}  "
-                      f"{monitor.describe(phase) if monitor else ''}", flush=True)
+                      f"{GpuMonitor.describe(monitor and monitor.summary(phase))}", flush=True)
     finally:
         chunk_o_pallas.kernel_config = default_config
         if monitor:

@@ -256,9 +256,10 @@ def main(argv=None):
         return monitor.phase(f"{row['shape']}/{impl}") if monitor else None
 
     def record_phase(row, impl):
-        if monitor and monitor.summary(f"{row['shape']}/{impl}"):
-            row[f"{impl}_gpu"] = monitor.summary(f"{row['shape']}/{impl}")
-            log(f"{'':>9}  {monitor.describe(row['shape'] + '/' + impl)}")
+        summary = monitor and monitor.summary(f"{row['shape']}/{impl}")
+        if summary:
+            row[f"{impl}_gpu"] = summary
+            log(f"{'':>9}  {GpuMonitor.describe(summary)}")
     for si, shp in enumerate(shapes):
         B, T, H, K, V, M = (shp[c] for c in "BTHKVM")
         label = shape_label(shp)

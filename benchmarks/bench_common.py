@@ -6,6 +6,7 @@ loops; torch/fla functions the same way with CUDA events. Copy bandwidth counts 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
@@ -62,20 +63,20 @@ def log(*a):
     print(*a, flush=True)
 
 
-
-
 class GpuMonitor:
     """Samples the GPU's SM clock, power draw and power-cap state while timing loops run.
 
     On an H200 the K = V = 256 chunk_o timing loops run into the card's 700 W limit: the driver's
     software power cap engages and the SM clock falls from 1980 MHz to 840-1600 MHz (eleventh
-    session, benchmarks/RESULTS.md). How far depends on the card, which is why the same kernel
-    times 2-4 % apart on different machines. So every timed phase records what the clock did.
+    session, benchmarks/RESULTS.md). The same kernel also times 2-4 % apart on different
+    machines; if the cap pulls some cards further than others, that would explain it. So every
+    timed phase records what the clock did.
 
-    ``with monitor.phase(name): ...`` brackets a phase (pass one to time_jax/time_torch's
-    ``during`` so it covers the timed loops only, not compiling and warming up); ``monitor.summary(name)`` is then None
-    (no samples: no nvidia-smi, a CPU, or a phase shorter than the sampling period) or a dict:
-    median and min SM MHz, max power W, and the fraction of samples with the power cap active.
+    ``with monitor.phase(name): ...`` brackets a phase; pass one as time_jax's or time_torch's
+    ``during`` so it covers the timed loops only, not compiling and warming up.
+    ``monitor.summary(name)`` is then None (no samples: no nvidia-smi, a CPU, or a phase shorter
+    than the sampling period) or a dict: median and min SM MHz, max power W, and the fraction of
+    samples with the power cap active; ``describe`` formats one in a line.
     ``command`` replaces the nvidia-smi query (tests); it must print lines of "MHz, W, Active".
     """
 
@@ -113,8 +114,6 @@ class GpuMonitor:
                 continue
 
     def phase(self, name):
-        import contextlib
-
         @contextlib.contextmanager
         def bracket():
             start = time.perf_counter()
@@ -134,9 +133,9 @@ class GpuMonitor:
                     sm_mhz_min=min(clocks), power_w_max=max(s[2] for s in inside),
                     power_capped=sum(s[3] for s in inside) / len(inside))
 
-    def describe(self, name):
-        """One short line for a phase's summary, or '' without samples."""
-        s = self.summary(name)
+    @staticmethod
+    def describe(s):
+        """One short line for a summary (``summary(name)``), or '' for None."""
         if s is None:
             return ""
         return (f"SM {s['sm_mhz_median']:.0f} MHz (min {s['sm_mhz_min']:.0f}), "
@@ -167,8 +166,6 @@ def time_jax(fn, sets, *, target_s, reps, max_iters, during=None):
 
     ``during``: a context manager entered around the timed loops only (after compiling and warming
     up), e.g. a GpuMonitor phase."""
-    import contextlib
-
     import jax
     ns = len(sets)
     for s in sets:  # compile + warm every set
@@ -195,8 +192,6 @@ def time_jax(fn, sets, *, target_s, reps, max_iters, during=None):
 
 def time_torch(fn, sets, *, target_s, reps, max_iters, during=None):
     """Same as time_jax but with torch.cuda.Event around the loop; returns ms."""
-    import contextlib
-
     import torch
     ns = len(sets)
     t_first = time.perf_counter()

@@ -71,12 +71,12 @@ def test_gpu_monitor_attributes_samples_to_phases():
     times = [s[0] for s in monitor.samples]
     middle = (times[1] + times[2]) / 2
     monitor.phases.update(cool=(start, middle), hot=(middle, end), before=(start - 2, start - 1))
-    assert monitor.summary("before") is None and monitor.describe("before") == ""
+    assert monitor.summary("before") is None and GpuMonitor.describe(None) == ""
     cool, hot = monitor.summary("cool"), monitor.summary("hot")
     assert cool == dict(samples=2, sm_mhz_median=1972.5, sm_mhz_min=1965.0, power_w_max=310.0,
                         power_capped=0.0)
     assert hot["power_capped"] == 1.0 and hot["sm_mhz_min"] == 900.0 and hot["power_w_max"] == 712.3
-    assert monitor.describe("hot") == ("SM 1200 MHz (min 900), power cap 100% of samples, "
+    assert GpuMonitor.describe(hot) == ("SM 1200 MHz (min 900), power cap 100% of samples, "
                                        "max 712 W")
 
 

@@ -4,6 +4,7 @@ A segment is a maximal run of equal ids along T (SPEC, "Segments"): a new one st
 ``segment_ids[t] != segment_ids[t-1]``. Kernels never compare raw ids; they compare *run numbers*,
 the count of segment starts up to and including t. Run numbers are non-decreasing along T, so
 ``same(a, b)`` is ``run[a] == run[b]``, and ids that repeat non-adjacently are different segments.
+(The chunk_o forward kernel reads a form derived from them, ``chunk_o_pallas.segment_start_rows``.)
 """
 from __future__ import annotations
 

@@ -203,6 +203,29 @@ def test_repeated_id_does_not_join_segments(implementation):
     assert rel_err(o, p["o_ref"]) < TOL[np.float32]
 
 
+@pytest.mark.parametrize("tokens,chunk_size", [(1, 16), (70, 16), (200, 64)])
+def test_segment_start_rows_against_brute_force(tokens, chunk_size):
+    # The forward kernel's segment input: for each t, the first row of t's chunk holding t's
+    # segment. Brute force over random packings, ragged T, repeated ids and one-token segments.
+    from gdp_jax.chunk_o_pallas import segment_start_rows
+    from gdp_jax.segments import segment_runs
+
+    rng = np.random.default_rng(tokens)
+    ids = rng.integers(0, 3, size=(3, tokens)).astype(np.int32)    # many starts, ids repeat
+    ids[1] = 7                                                     # one segment for the row
+    runs = np.asarray(segment_runs(jnp.asarray(ids)))
+    got = np.asarray(segment_start_rows(jnp.asarray(runs), chunk_size))
+    assert got.shape == ids.shape and got.dtype == np.int32
+    for b in range(ids.shape[0]):
+        for t in range(tokens):
+            c0 = t - t % chunk_size
+            s = t
+            while s > c0 and runs[b, s - 1] == runs[b, t]:
+                s -= 1
+            assert got[b, t] == s - c0, (b, t)
+    assert (got[1] == 0).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # Gradients against autodiff of an independent dense statement of the chunked form.
 

@@ -43,6 +43,7 @@ VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
     "K256_M1": (2, 16384, 16, 256, 256, 1, {}),
     "K256_M1_prefetch": (2, 16384, 16, 256, 256, 1, dict(prefetch_values=True)),
     "M2_prefetch": (8, 4096, 16, 128, 128, 2, dict(prefetch_values=True)),
+    "M2_segments": (8, 4096, 16, 128, 128, 2, dict(segments=True)),   # with segment ids (packed rows)
     # Both value tiles in one program, so the scores are made once (the next K = 256 lead).
     "K256_vb2": (2, 16384, 16, 256, 256, 2, dict(block_v=128, value_blocks_per_program=2)),
     "K256_vb2_s3": (2, 16384, 16, 256, 256, 2, dict(block_v=128, value_blocks_per_program=2,
@@ -139,15 +140,18 @@ def capture_chunk_o(names, out_dir):
     meta = {}
     for name in names:
         batch, tokens, heads, key_dim, value_dim, m, overrides = VARIANTS[name]
+        overrides = dict(overrides)
+        segments = overrides.pop("segments", False)      # not a kernel_config key: pass runs
         bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
         args = (sds((batch, tokens, heads, key_dim), bf16), sds((batch, tokens * m, heads, key_dim), bf16),
                 sds((batch, tokens * m, heads, value_dim), bf16),
                 sds((batch, tokens // 64, heads, key_dim, value_dim), bf16),
-                sds((batch, tokens, heads), jnp.float32))
+                sds((batch, tokens, heads), jnp.float32),
+                sds((batch, tokens), jnp.int32) if segments else None)
         config = kernel_config(key_dim, value_dim, 64, m, **overrides)
         with _Capture() as cap:
-            _lower(lambda q, k, v, h, g, config=config, m=m, key_dim=key_dim: chunk_o_pallas(
-                q, k, v, h, g, None, scale=key_dim ** -0.5, chunk_size=64, num_householder=m,
+            _lower(lambda q, k, v, h, g, runs, config=config, m=m, key_dim=key_dim: chunk_o_pallas(
+                q, k, v, h, g, runs, scale=key_dim ** -0.5, chunk_size=64, num_householder=m,
                 config=config), args)
         (kernel,) = cap.kernels
         with open(os.path.join(out_dir, f"{name}.ttir"), "w") as fh:

@@ -39,6 +39,18 @@ def test_ab_chunk_o_tiny(capsys):
     assert results["k16"]["rel_err"] < 1e-2        # another K tiling: at most f32 rounding
 
 
+def test_burst_chunk_o_tiny(capsys):
+    import burst_chunk_o
+
+    rows = burst_chunk_o.main(["--shapes", "B=1,T=100,H=2,K=32,V=16,M=2", "--bursts", "2",
+                               "--rest", "0", "--burst-ms", "1", "--sets", "2", *QUICK])
+    (row,) = rows
+    assert row["shape"] == "B1 T100 H2 K32 V16 M2" and row["floor_ms"] > 0
+    assert row["ours_sustained_ms"] > 0 and row["ours_rested_ms"] > 0
+    assert "fla_sustained_ms" not in row                  # no fla on a CPU
+    assert "B1 T100 H2 K32 V16 M2" in capsys.readouterr().out
+
+
 def test_ab_chunk_o_rejects_unnamed_config():
     import ab_chunk_o
 

@@ -33,7 +33,7 @@ import platform
 import time
 import traceback
 
-from bench_common import (fmt as _fmt, log, parse_shapes as _parse_shapes, relative_error_fn,
+from bench_common import (add_timing_args, fmt as _fmt, log, parse_shapes as _parse_shapes, relative_error_fn,
                           shape_label, short_exc, time_jax, time_torch, print_table)
 
 SHAPE_SETS = {
@@ -57,10 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--only", default="", help="comma-separated subset of columns to time")
     p.add_argument("--no-fla", action="store_true", help="skip fla even if importable")
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU logic check only)")
-    p.add_argument("--sets", type=int, default=3)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--target-ms", type=float, default=150.0)
-    p.add_argument("--max-iters", type=int, default=200)
+    add_timing_args(p, max_iters=200, copy_mb=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write JSON results here")
     args = p.parse_args(argv)

@@ -36,7 +36,7 @@ import traceback
 # JAX and torch share the GPU in this process: JAX must not grab 75 % of memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from bench_common import (LOG2E, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
+from bench_common import (LOG2E, add_timing_args, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
                           relative_error_fn,
                           short_exc, shape_label, time_jax, time_torch, print_table, GpuMonitor)
 from gdp_jax.reference import chunk_local_log2_cumsum as chunk_cumsum_log2
@@ -82,12 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=64, help="chunk size BT (default 64)")
     p.add_argument("--impls", default="pallas,xla,fla",
                    help="comma list of pallas, xla, interpret, fla (default pallas,xla,fla)")
-    p.add_argument("--sets", type=int, default=3, help="input sets rotated in timing loops (default 3)")
-    p.add_argument("--reps", type=int, default=5, help="timed loops per measurement; median reported")
-    p.add_argument("--target-ms", type=float, default=150.0,
-                   help="aim for this much wall time per timed loop (sets N)")
-    p.add_argument("--max-iters", type=int, default=300)
-    p.add_argument("--copy-mb", type=float, default=2048.0, help="size of the copy-bandwidth buffer (MB)")
+    add_timing_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write JSON results here")
     p.add_argument("--png", default=None,

@@ -39,7 +39,7 @@ import platform
 import time
 import traceback
 
-from bench_common import (LOG2E, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
+from bench_common import (LOG2E, add_timing_args, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
                           relative_error_fn,
                           short_exc, shape_label, time_jax, print_table)
 
@@ -76,12 +76,7 @@ def parse_args(argv=None):
                         "gdp_jax.chunk_o_bwd_pallas.BwdKernelConfig; benchmarks/tune_chunk_o_bwd.py sweeps them)")
     p.add_argument("--interpret", action="store_true",
                    help="run the Pallas kernels in Pallas' interpreter (CPU logic check only)")
-    p.add_argument("--sets", type=int, default=3,
-                   help="input sets rotated in timing loops (default 3, at least 3)")
-    p.add_argument("--reps", type=int, default=5, help="timed loops per measurement; median reported")
-    p.add_argument("--target-ms", type=float, default=150.0, help="aim for this much wall time per loop")
-    p.add_argument("--max-iters", type=int, default=300)
-    p.add_argument("--copy-mb", type=float, default=2048.0, help="copy-bandwidth buffer size (MB)")
+    add_timing_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write JSON results here")
     args = p.parse_args(argv)

@@ -161,6 +161,24 @@ def _pick_n(est_s, target_s, nsets, max_iters):
     return int(math.ceil(n / nsets) * nsets)
 
 
+def add_timing_args(parser, *, sets=3, reps=5, target_ms=150.0, max_iters=300, copy_mb=2048.0):
+    """The timing options every benchmark script takes (time_jax, time_torch, copy_bandwidth);
+    a script passes its own defaults, and copy_mb=None leaves --copy-mb out."""
+    parser.add_argument("--sets", type=int, default=sets,
+                        help=f"input sets rotated in the timing loops (default {sets}; at least 3 "
+                             "keeps the inputs out of L2)")
+    parser.add_argument("--reps", type=int, default=reps,
+                        help=f"timed loops per measurement, median reported (default {reps})")
+    parser.add_argument("--target-ms", type=float, default=target_ms,
+                        help=f"wall time to aim for per timed loop, which sets its call count "
+                             f"(default {target_ms:g})")
+    parser.add_argument("--max-iters", type=int, default=max_iters,
+                        help=f"most calls in one timed loop (default {max_iters})")
+    if copy_mb is not None:
+        parser.add_argument("--copy-mb", type=float, default=copy_mb,
+                            help=f"size of the copy-bandwidth buffer in MB (default {copy_mb:g})")
+
+
 def time_jax(fn, sets, *, target_s, reps, max_iters, during=None):
     """Median over reps of (wall time of N rotated back-to-back calls, after block_until_ready) / N, in ms.
 

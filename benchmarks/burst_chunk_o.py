@@ -28,7 +28,7 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (GpuMonitor, copy_bandwidth, nbytes, parse_shapes,  # noqa: E402
+from bench_common import (GpuMonitor, add_timing_args, copy_bandwidth, nbytes, parse_shapes,  # noqa: E402
                           shape_label, short_exc, time_jax, time_torch)
 
 DEFAULT_SHAPES = ("B=2,T=16384,H=16,K=256,V=256,M=2;B=8,T=4096,H=16,K=128,V=128,M=2;"
@@ -44,11 +44,7 @@ def main(argv=None):
     p.add_argument("--bursts", type=int, default=5)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--no-fla", action="store_true")
-    p.add_argument("--sets", type=int, default=3)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--target-ms", type=float, default=150.0)
-    p.add_argument("--max-iters", type=int, default=300)
-    p.add_argument("--copy-mb", type=float, default=2048.0)
+    add_timing_args(p)
     args = p.parse_args(argv)
 
     import jax

@@ -39,7 +39,7 @@ import sys
 import time
 import traceback
 
-from bench_common import (copy_bandwidth, fmt as _fmt, log, parse_shapes as _parse_shapes,
+from bench_common import (add_timing_args, copy_bandwidth, fmt as _fmt, log, parse_shapes as _parse_shapes,
                           relative_error_fn, shape_label, short_exc, time_jax, print_table)
 from bench_chunk_o_bwd import SHAPE_SETS as _BENCH_SHAPES, backward_bytes, make_set, xla_vjp_fn
 
@@ -119,11 +119,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="", help="comma-separated variants to keep (default all)")
     p.add_argument("--max-err", type=float, default=2e-2, help="max relative error for a config to count")
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU logic check only)")
-    p.add_argument("--sets", type=int, default=3)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--target-ms", type=float, default=40.0)
-    p.add_argument("--max-iters", type=int, default=200)
-    p.add_argument("--copy-mb", type=float, default=1024.0)
+    add_timing_args(p, reps=3, target_ms=40.0, max_iters=200, copy_mb=1024.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="print the candidate list and exit")
     p.add_argument("--out", default=None, help="write JSON results here")

@@ -115,7 +115,7 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       per program (0.865-0.952); no gain from L2 eviction hints (0.697).
     - twelfth session, K = V = 256, M = 2: from a rested card (full clock) the default runs at
       0.674-0.676 ms, 93-94 % of the floor; back to back the power cap holds the clock at
-      1635-1740 MHz, and 0.689-0.711 ms. Both value tiles in one program (the scores once, 20 %
+      1590-1740 MHz, and 0.689-0.711 ms. Both value tiles in one program (the scores once, 20 %
       fewer FLOPs) ran cooler, 1860 against 1605 MHz, but slower: 0.721 against 0.711 ms.
     - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for
       more of them per SM, so more loads are in flight.

@@ -17,7 +17,7 @@ The M copies of k and v are read straight from the caller's [B, T*M, H, *] array
 BlockSpec over the same buffer and nothing is transposed or copied in HBM.
 
 Segments reach the kernel as one int32 per token, the row where its segment begins within its
-chunk (``segment_start_rows``), so each mask is a comparison with a per-row value.
+chunk (``segments.segment_start_rows``), so each mask is a comparison with a per-row value.
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._triton_warning import triton_backend_warning_filtered
+from gdp_jax.segments import segment_start_rows
 
 # Padding rows of the last partial chunk load this run number, which never equals a real one (the
-# backward kernels compare run numbers; the forward reads segment_start_rows instead).
+# backward kernels compare run numbers; the forward reads segments.segment_start_rows instead).
 _PAD_RUN = jnp.iinfo(jnp.int32).max
 
 
@@ -190,29 +191,6 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         block_k=block_k,
         value_step=value_step,
         prefetch_values=prefetch_values)
-
-
-def segment_start_rows(runs: jax.Array, chunk_size: int) -> jax.Array:
-    """[B, T] int32 run numbers -> [B, T] int32: the row within t's chunk where t's segment begins,
-    0 if it began at or before the chunk's first row.
-
-    This is what the forward kernel reads instead of the run numbers: since runs never decrease,
-    same(s, t) for s <= t in one chunk is ``s >= start_row[t]``, and the segment live at the chunk's
-    first token is the one with ``start_row[t] == 0``. Both need one value per row only, where
-    comparing run numbers needs them along the rows and along the columns of the [BT, BT] scores,
-    a second, scattered load in the compiled kernel. Measured on an H200 (twelfth session, bf16,
-    ~8 segments per row), packed over unpacked: M = 1 +10.0 % -> +4.2 %, M = 3 +4.4 % -> +0.5 %,
-    K = V = 256 +1.7 % -> +0.6 %, M = 2 -0.7 % -> -0.9 %.
-    """
-    batch, tokens = runs.shape
-    num_chunks = -(-tokens // chunk_size)
-    padded = jnp.pad(runs, ((0, 0), (0, num_chunks * chunk_size - tokens)), mode="edge")
-    padded = padded.reshape(batch, num_chunks, chunk_size)
-    row = jnp.arange(chunk_size, dtype=jnp.int32)
-    starts_here = jnp.concatenate([jnp.ones_like(padded[..., :1], bool),
-                                   padded[..., 1:] != padded[..., :-1]], axis=-1)
-    start_row = jax.lax.cummax(jnp.where(starts_here, row, 0), axis=2)
-    return start_row.reshape(batch, num_chunks * chunk_size)[:, :tokens]
 
 
 def _load_rows(ref, row_valid, other=0):

@@ -207,8 +207,7 @@ def test_repeated_id_does_not_join_segments(implementation):
 def test_segment_start_rows_against_brute_force(tokens, chunk_size):
     # The forward kernel's segment input: for each t, the first row of t's chunk holding t's
     # segment. Brute force over random packings, ragged T, repeated ids and one-token segments.
-    from gdp_jax.chunk_o_pallas import segment_start_rows
-    from gdp_jax.segments import segment_runs
+    from gdp_jax.segments import segment_runs, segment_start_rows
 
     rng = np.random.default_rng(tokens)
     ids = rng.integers(0, 3, size=(3, tokens)).astype(np.int32)    # many starts, ids repeat

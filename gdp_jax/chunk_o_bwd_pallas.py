@@ -37,7 +37,7 @@ are walked in static blocks of ``block_k`` / ``block_v`` columns (one block each
 Tiles are loaded where they are used: q and do are read again by later dots (from L1/L2, as the program
 just read them) rather than held, which keeps them out of shared memory in between (Triton otherwise
 keeps one shared copy per operand layout alive for the whole kernel, too much for float32 at K = 256).
-With w, P and the masks formed from g and the run numbers:
+With w, P and the masks formed from g and the segment start rows (``segments.segment_start_rows``):
 
     carried state, per (key, value) block:  dh[kb, vb] = scale * (w ⊙ q[:, kb])^T @ do[:, vb]   (stored)
                                             dq[:, kb] += do[:, vb] @ h[kb, vb]^T        [BT, BK] f32
@@ -62,7 +62,7 @@ are viewed as [B, T, M, H, *] (a free reshape): a program's block is [BT, M, wid
 [BT, width] tile at index m of the M axis (the forward's M-BlockSpecs trick works for inputs only, as a
 program owns exactly one block of each output).
 
-The last chunk may be partial: rows past T load zeros (run number _PAD_RUN) and are never stored, and
+The last chunk may be partial: rows past T load zeros (start row 0) and are never stored, and
 the pair mask also requires row t to be real, so 2^(g[t]-g[s]) is only ever formed for real pairs with
 s <= t (the exponent is masked before exp2: a padding row has g = 0 and 2^(0 - g[s]) could overflow,
 and inf * 0 would leak NaN into real columns of dv and dk).
@@ -100,7 +100,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._triton_warning import triton_backend_warning_filtered
 from gdp_jax.chunk_o_bwd_pallas_split import chunk_o_bwd_split
-from gdp_jax.chunk_o_pallas import _PAD_RUN, _load_rows
+from gdp_jax.chunk_o_pallas import _load_rows
+from gdp_jax.segments import segment_start_rows
 
 _LN2 = math.log(2.0)
 
@@ -179,7 +180,7 @@ def _chunk_o_bwd_kernel(*refs, num_householder: int, scale: float, chunk_size: i
                         block_k: int, block_v: int, has_g: bool, has_segments: bool):
     q_ref, k_ref, v_ref, h_ref, *refs = refs
     g_ref = refs.pop(0) if has_g else None
-    runs_ref = refs.pop(0) if has_segments else None
+    start_rows_ref = refs.pop(0) if has_segments else None
     do_ref, dq_ref, dk_ref, dv_ref, dh_ref, *refs = refs
     dg_ref = refs.pop(0) if has_g else None
     assert not refs
@@ -204,9 +205,9 @@ def _chunk_o_bwd_kernel(*refs, num_householder: int, scale: float, chunk_size: i
         g = _load_rows(g_ref, row_valid)                             # [BT] f32 log2 decays
         row_weight = jnp.exp2(g)
     if has_segments:
-        run = _load_rows(runs_ref, row_valid, other=_PAD_RUN)        # [BT] run numbers
-        pair_mask &= run[:, None] == run[None, :]                    # same(s, t)
-        live_at_c0 = run == jnp.min(run)                             # runs never decrease along T
+        start_row = _load_rows(start_rows_ref, row_valid)            # [BT] where t's segment begins
+        pair_mask &= cols >= start_row[:, None]                      # same(s, t), given s <= t
+        live_at_c0 = start_row == 0
         row_weight = (jnp.where(live_at_c0, row_weight, 0.0) if has_g
                       else live_at_c0.astype(jnp.float32))
     if has_g:
@@ -305,9 +306,12 @@ def chunk_o_bwd_pallas(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     for name, block, width in blocks:
         if width % block or block < 16 or block & (block - 1):
             raise ValueError(f"{name} must be a power of two >= 16 dividing {width}; got {block}")
+    # Segments reach the kernels as each token's start row within its chunk, as in the forward:
+    # one value per row makes every mask.
+    start_rows = None if runs is None else segment_start_rows(runs, chunk_size)
     if cfg.variant != "fused":
         return chunk_o_bwd_split(
-            q, k, v, h, g, runs, do, scale=scale, chunk_size=chunk_size, num_householder=m,
+            q, k, v, h, g, start_rows, do, scale=scale, chunk_size=chunk_size, num_householder=m,
             interpret=interpret, variant=cfg.variant, roles=cfg.resolved_roles(),
             block_k=cfg.block_k, block_v=cfg.block_v,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -335,8 +339,8 @@ def chunk_o_bwd_pallas(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     if g is not None:
         operands.append(g)
         in_specs.append(per_token_spec)
-    if runs is not None:
-        operands.append(runs)
+    if start_rows is not None:
+        operands.append(start_rows)
         in_specs.append(pl.BlockSpec((None, chunk_size), lambda hd, c, b: (b, c)))
     operands.append(do)
     in_specs.append(token_spec(value_dim))

@@ -66,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._triton_warning import triton_backend_warning_filtered
-from gdp_jax.chunk_o_pallas import _PAD_RUN, _load_rows
+from gdp_jax.chunk_o_pallas import _load_rows
 
 _LN2 = math.log(2.0)
 TASKS = ("dh", "dq", "dkv")
@@ -109,20 +109,19 @@ def _row_valid(chunk, chunk_size, tokens):
     return chunk * chunk_size + t_in_chunk < tokens
 
 
-def _row_weight(g_ref, runs_ref, row_valid):
+def _row_weight(g_ref, start_rows_ref, row_valid):
     """w[t] = [same(t, c0)] 2^g[t] as [BT] float32, or None when it is all ones."""
     row_weight = None
     if g_ref is not None:
         row_weight = jnp.exp2(_load_rows(g_ref, row_valid))
-    if runs_ref is not None:
-        run = _load_rows(runs_ref, row_valid, other=_PAD_RUN)
-        live_at_c0 = run == jnp.min(run)                             # runs never decrease along T
+    if start_rows_ref is not None:
+        live_at_c0 = _load_rows(start_rows_ref, row_valid) == 0      # t's segment began by row 0
         row_weight = (jnp.where(live_at_c0, row_weight, 0.0) if row_weight is not None
                       else live_at_c0.astype(jnp.float32))
     return row_weight
 
 
-def _pair_masks(g_ref, runs_ref, row_valid, chunk_size):
+def _pair_masks(g_ref, start_rows_ref, row_valid, chunk_size):
     """(strictly_lower, apply_p) of one chunk, as the fused kernel forms them.
 
     apply_p(x) = P ⊙ x for a [BT, BT] tile, P[t, s] = [s <= t, t real, same(s, t)] 2^(g[t] - g[s])
@@ -132,9 +131,8 @@ def _pair_masks(g_ref, runs_ref, row_valid, chunk_size):
     rows = jax.lax.broadcasted_iota(jnp.int32, (chunk_size, chunk_size), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (chunk_size, chunk_size), 1)
     pair_mask = (cols <= rows) & row_valid[:, None]
-    if runs_ref is not None:
-        run = _load_rows(runs_ref, row_valid, other=_PAD_RUN)
-        pair_mask &= run[:, None] == run[None, :]
+    if start_rows_ref is not None:                                   # same(s, t), given s <= t
+        pair_mask &= cols >= _load_rows(start_rows_ref, row_valid)[:, None]
     if g_ref is None:
         return cols < rows, lambda x: jnp.where(pair_mask, x, 0.0)
     g = _load_rows(g_ref, row_valid)
@@ -159,13 +157,13 @@ def _dh_kernel(*refs, scale: float, chunk_size: int, tokens: int, block_v: int, 
     q_ref, do_ref, *refs = refs
     h_ref = refs.pop(0) if with_dq_state else None
     g_ref = refs.pop(0) if has_g else None
-    runs_ref = refs.pop(0) if has_segments else None
+    start_rows_ref = refs.pop(0) if has_segments else None
     dh_ref, *refs = refs
     dqs_ref = refs.pop(0) if with_dq_state else None
     assert not refs
 
     row_valid = _row_valid(pl.program_id(2), chunk_size, tokens)    # grid (block, H, NT, B)
-    row_weight = _row_weight(g_ref, runs_ref, row_valid)
+    row_weight = _row_weight(g_ref, start_rows_ref, row_valid)
     q = _load_rows(q_ref, row_valid)                                 # [BT, BK]
     dtype = q.dtype
     wq = q if row_weight is None else (q * row_weight[:, None]).astype(dtype)
@@ -190,7 +188,7 @@ def _roles_kernel(*refs, roles, num_householder: int, scale: float, chunk_size: 
     """One (role, head, chunk, batch) program, or (head, chunk, batch) with a single role.
 
     Operands, each present only when a task of the call needs it (see ``_roles_call``):
-    q, k, v, state (h [K, V] or, state_source "dqs", float32 [BT, K]), g, runs, do;
+    q, k, v, state (h [K, V] or, state_source "dqs", float32 [BT, K]), g, start_rows, do;
     outputs dq, dk, dv, dh, dg ([BT]: this program's slot when several roles write dg).
     """
     tasks = {t for role in roles for t in role.tasks}
@@ -199,7 +197,7 @@ def _roles_kernel(*refs, roles, num_householder: int, scale: float, chunk_size: 
     q_ref = take(True)
     k_ref, v_ref = take(tasks & {"dq", "dkv"}), take(tasks & {"dq", "dkv"})
     state_ref = take("dq" in tasks)
-    g_ref, runs_ref, do_ref = take(has_g), take(has_segments), take(True)
+    g_ref, start_rows_ref, do_ref = take(has_g), take(has_segments), take(True)
     dq_ref = take("dq" in tasks)
     dk_ref, dv_ref = take("dkv" in tasks), take("dkv" in tasks)
     dh_ref = take("dh" in tasks)
@@ -287,14 +285,15 @@ def _roles_kernel(*refs, roles, num_householder: int, scale: float, chunk_size: 
         return jax.lax.fori_loop(0, num_householder, one_copy, carry)
 
     def run_role(role):
-        row_weight = _row_weight(g_ref, runs_ref, row_valid) if {"dh", "dq"} & set(role.tasks) else None
+        row_weight = (_row_weight(g_ref, start_rows_ref, row_valid)
+                      if {"dh", "dq"} & set(role.tasks) else None)
         if "dh" in role.tasks:
             dh_task(row_weight)
         do_dq, do_dkv = "dq" in role.tasks, "dkv" in role.tasks
         dg = None
         if do_dq or do_dkv:
             dqs, dg = state_term(row_weight) if do_dq else (None, None)
-            strictly_lower, apply_p = _pair_masks(g_ref, runs_ref, row_valid, chunk_size)
+            strictly_lower, apply_p = _pair_masks(g_ref, start_rows_ref, row_valid, chunk_size)
             dqs, z_row, z_col = copy_loop(do_dq, do_dkv, dqs, apply_p, strictly_lower, role.copy)
             if do_dq:
                 for kb, dq in zip(key_blocks, dqs):
@@ -312,7 +311,7 @@ def _roles_kernel(*refs, roles, num_householder: int, scale: float, chunk_size: 
         run_role(roles[0])
 
 
-def _roles_call(q, k, v, state, g, runs, do, *, roles, scale, chunk_size, num_householder, block_k,
+def _roles_call(q, k, v, state, g, start_rows, do, *, roles, scale, chunk_size, num_householder, block_k,
                 block_v, dh_block_k, dh_block_v, num_warps, num_stages, interpret, name):
     """One pallas_call of the roles kernel; returns dict of its outputs (dg summed over slots)."""
     batch, tokens, heads, key_dim = q.shape
@@ -350,8 +349,8 @@ def _roles_call(q, k, v, state, g, runs, do, *, roles, scale, chunk_size, num_ho
     if has_g:
         operands.append(g)
         in_specs.append(per_token_spec)
-    if runs is not None:
-        operands.append(runs)
+    if start_rows is not None:
+        operands.append(start_rows)
         in_specs.append(spec((None, chunk_size), lambda hd, c, b: (b, c)))
     operands.append(do)
     in_specs.append(token_spec(value_dim))
@@ -382,7 +381,7 @@ def _roles_call(q, k, v, state, g, runs, do, *, roles, scale, chunk_size, num_ho
         _roles_kernel, roles=roles, num_householder=m, scale=scale, chunk_size=chunk_size,
         tokens=tokens, block_k=block_k, block_v=block_v, dh_block_k=dh_block_k,
         dh_block_v=dh_block_v, state_source=state_source, has_g=has_g,
-        has_segments=runs is not None)
+        has_segments=start_rows is not None)
     call = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -393,13 +392,14 @@ def _roles_call(q, k, v, state, g, runs, do, *, roles, scale, chunk_size, num_ho
     return outs
 
 
-def chunk_o_bwd_split(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int, num_householder: int,
+def chunk_o_bwd_split(q, k, v, h, g, start_rows, do, *, scale: float, chunk_size: int, num_householder: int,
                       interpret: bool, variant: str, roles: str, block_k: int, block_v: int,
                       num_warps: int, num_stages: int, dh_block_k: int, dh_block_v: int,
                       dh_num_warps: int, dh_num_stages: int):
     """(dq, dk, dv, dh, dg) as ``chunk_o_bwd_pallas``, by the kernels of ``variant``.
 
-    Inputs validated and block sizes checked by the caller; do already in v's dtype.
+    Inputs validated and block sizes checked by the caller; do already in v's dtype; segments as
+    start_rows [B, T] int32 (``segments.segment_start_rows``) or None.
     """
     batch, tokens, heads, key_dim = q.shape
     value_dim = v.shape[-1]
@@ -414,25 +414,25 @@ def chunk_o_bwd_split(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int,
         if variant == "roles":
             if tasks != set(TASKS):
                 raise ValueError(f"variant 'roles' needs roles over all of {TASKS}; got {roles!r}")
-            outs = _roles_call(q, k, v, h, g, runs, do, roles=parsed, name="gdp_chunk_o_bwd_roles",
+            outs = _roles_call(q, k, v, h, g, start_rows, do, roles=parsed, name="gdp_chunk_o_bwd_roles",
                                **common)
             dh = outs["dh"]
         else:
             if tasks != {"dq", "dkv"}:
                 raise ValueError(f"variant {variant!r} runs dh apart; roles must cover dq and dkv "
                                  f"only; got {roles!r}")
-            dh, dqs = _dh_call(q, h, g, runs, do, chunk_size=chunk_size, scale=scale,
+            dh, dqs = _dh_call(q, h, g, start_rows, do, chunk_size=chunk_size, scale=scale,
                                block_k=dh_block_k, block_v=dh_block_v,
                                with_dq_state=variant == "split_state", num_warps=dh_num_warps,
                                num_stages=dh_num_stages, interpret=interpret)
-            outs = _roles_call(q, k, v, h if dqs is None else dqs, g, runs, do, roles=parsed,
+            outs = _roles_call(q, k, v, h if dqs is None else dqs, g, start_rows, do, roles=parsed,
                                name="gdp_chunk_o_bwd_intra", **common)
     dg = outs.get("dg") if has_g else None
     return (outs["dq"], outs["dk"].reshape(batch, tokens * m, heads, key_dim),
             outs["dv"].reshape(batch, tokens * m, heads, value_dim), dh, dg)
 
 
-def _dh_call(q, h, g, runs, do, *, chunk_size, scale, block_k, block_v, with_dq_state, num_warps,
+def _dh_call(q, h, g, start_rows, do, *, chunk_size, scale, block_k, block_v, with_dq_state, num_warps,
              num_stages, interpret):
     """Kernel A of split / split_state: (dh, dqs or None)."""
     batch, tokens, heads, key_dim = q.shape
@@ -458,8 +458,8 @@ def _dh_call(q, h, g, runs, do, *, chunk_size, scale, block_k, block_v, with_dq_
     if g is not None:
         operands.append(g)
         in_specs.append(pl.BlockSpec((None, chunk_size, None), lambda blk, hd, c, b: (b, c, hd)))
-    if runs is not None:
-        operands.append(runs)
+    if start_rows is not None:
+        operands.append(start_rows)
         in_specs.append(pl.BlockSpec((None, chunk_size), lambda blk, hd, c, b: (b, c)))
     out_shape = [jax.ShapeDtypeStruct(h.shape, h.dtype)]
     out_specs = [pl.BlockSpec((None, None, None, block_k, block_v_grid),
@@ -470,7 +470,7 @@ def _dh_call(q, h, g, runs, do, *, chunk_size, scale, block_k, block_v, with_dq_
                                       lambda blk, hd, c, b: (b, c, hd, blk)))
     kernel = functools.partial(_dh_kernel, scale=scale, chunk_size=chunk_size, tokens=tokens,
                                block_v=min(block_v, block_v_grid), with_dq_state=with_dq_state,
-                               has_g=g is not None, has_segments=runs is not None)
+                               has_g=g is not None, has_segments=start_rows is not None)
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -32,11 +32,6 @@ from jax.experimental.pallas import triton as plgpu
 from gdp_jax._triton_warning import triton_backend_warning_filtered
 from gdp_jax.segments import segment_start_rows
 
-# Padding rows of the last partial chunk load this run number, which never equals a real one (the
-# backward kernels compare run numbers; the forward reads segments.segment_start_rows instead).
-_PAD_RUN = jnp.iinfo(jnp.int32).max
-
-
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters; chosen per shape by ``kernel_config``."""

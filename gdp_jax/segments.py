@@ -29,13 +29,15 @@ def segment_start_rows(runs: jax.Array, chunk_size: int) -> jax.Array:
     """[B, T] int32 run numbers -> [B, T] int32: the row within t's chunk where t's segment begins,
     0 if it began at or before the chunk's first row.
 
-    This is what the chunk_o forward kernel reads instead of the run numbers: since runs never
-    decrease, same(s, t) for s <= t in one chunk is ``s >= start_row[t]``, and the segment live at
-    the chunk's first token is the one with ``start_row[t] == 0``. Both need one value per row
-    only, where comparing run numbers needs them along the rows and along the columns of the
-    [BT, BT] scores, a second, scattered load in the compiled kernel. Measured on an H200 (twelfth
-    session, bf16, ~8 segments per row), packed over unpacked: M = 1 +10.0 % -> +4.2 %, M = 3
-    +4.4 % -> +0.5 %, K = V = 256 +1.7 % -> +0.6 %, M = 2 -0.7 % -> -0.9 %.
+    This is what the chunk_o kernels, forward and backward, read instead of the run numbers: since
+    runs never decrease, same(s, t) for s <= t in one chunk is ``s >= start_row[t]``, and the
+    segment live at the chunk's first token is the one with ``start_row[t] == 0``. Both need one
+    value per row only, where comparing run numbers needs them along the rows and along the
+    columns of the [BT, BT] scores, a second, scattered load in the compiled kernel. Measured on
+    an H200 (bf16, ~8 segments per row), packed over unpacked: forward (twelfth session, one
+    process) M = 1 +10.0 % -> +4.2 %, M = 3 +4.4 % -> +0.5 %, K = V = 256 +1.7 % -> +0.6 %, M = 2
+    -0.7 % -> -0.9 %; backward (thirteenth session, two cards) M = 1 +7.9 % -> +3.7 %, M = 2
+    +4.4 % -> +2.9 %, M = 3 +4.8 % -> +3.7 %.
     """
     batch, tokens = runs.shape
     num_chunks = -(-tokens // chunk_size)

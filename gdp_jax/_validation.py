@@ -90,9 +90,9 @@ def infer_num_householder(num_householder: Any, q_tokens: int, k_positions: int)
     if q_tokens == 0:
         raise ValueError("q.shape[1] (T, tokens per row) must be at least 1; got 0")
     if num_householder is None:
-        if k_positions % q_tokens:
-            raise ValueError(f"k.shape[1] must be a multiple T*M of q.shape[1] = T = {q_tokens}; "
-                             f"got k.shape[1] = {k_positions}")
+        if k_positions % q_tokens or k_positions == 0:
+            raise ValueError(f"k.shape[1] must be a multiple T*M (M >= 1) of q.shape[1] = T = "
+                             f"{q_tokens}; got k.shape[1] = {k_positions}")
         num_householder = k_positions // q_tokens
     _check_num_householder(num_householder)
     if k_positions != q_tokens * num_householder:

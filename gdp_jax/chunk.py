@@ -109,10 +109,11 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))
     g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
     stage = dict(chunk_size=chunk_size, num_householder=m)
-    # Widths beyond the kernels' (K or V above 256) take the jnp stages under "pallas" too; chunk_o
-    # decides the same for itself (chunk_o._compiled_kernels_fit).
-    if implementation == "xla" or (implementation == "pallas"
-                                   and not kernel_widths_supported(key_dim, value_dim)):
+    # Widths beyond the kernels' (K or V above 256) take the jnp stages under "pallas" too, and
+    # float64 inputs (jax_enable_x64) under "pallas" and "interpret" alike: the kernels take 2- and
+    # 4-byte tiles. chunk_o decides the same for itself (chunk_o._resolved).
+    if (implementation == "xla" or jnp.dtype(q.dtype).itemsize > 4
+            or (implementation == "pallas" and not kernel_widths_supported(key_dim, value_dim))):
         h, v_new, final_state = _states_jnp(k, v, beta, g_log2, runs, initial_state, **stage)
     else:
         # g enters in float32, so its cotangent is rounded to g's dtype once (as on the xla path).

@@ -103,14 +103,19 @@ def _compiled_kernels_fit(dtype, key_dim: int, value_dim: int, chunk_size: int) 
     for sm_90a, benchmarks/codegen.py; every other combination of K, V <= 256, chunk size and 2-
     or 4-byte inputs needs at most 192 KiB there). Such calls run the jnp path instead, forward
     and backward, so they return correct results rather than fail at launch. The interpreter has
-    no such limit and always runs the kernels."""
+    no such limit and runs the kernels for every 2- and 4-byte input."""
     if not kernel_widths_supported(key_dim, value_dim):
         return False
     return not (jnp.dtype(dtype).itemsize >= 4 and tile_width(key_dim) > 128 and chunk_size >= 128)
 
 
 def _resolved(config: _Config, q, v) -> str:
-    """config.implementation, with "pallas" turned into "xla" where the kernels do not fit."""
+    """config.implementation, with "pallas" turned into "xla" where the kernels do not fit, and
+    "pallas" or "interpret" into "xla" for float64 inputs (under jax_enable_x64): the kernels
+    accumulate in float32 and take 2- and 4-byte tiles only, so float64 gets the jnp path's
+    float64 arithmetic instead."""
+    if jnp.dtype(q.dtype).itemsize > 4:
+        return "xla"
     if config.implementation == "pallas" and not _compiled_kernels_fit(
             q.dtype, q.shape[-1], v.shape[-1], config.chunk_size):
         return "xla"

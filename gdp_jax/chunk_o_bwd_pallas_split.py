@@ -66,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._triton_warning import triton_backend_warning_filtered
-from gdp_jax.chunk_o_pallas import _load_rows
+from gdp_jax.chunk_o_pallas import _index, _load_rows
 
 _LN2 = math.log(2.0)
 TASKS = ("dh", "dq", "dkv")
@@ -206,7 +206,7 @@ def _roles_kernel(*refs, roles, num_householder: int, scale: float, chunk_size: 
 
     multi = len(roles) > 1
     row_valid = _row_valid(pl.program_id(2 if multi else 1), chunk_size, tokens)
-    traced_zero = 0 * pl.program_id(0)                               # formed outside any branch
+    traced_zero = _index(0 * pl.program_id(0))                       # formed outside any branch
     key_dim, value_dim = q_ref.shape[-1], do_ref.shape[-1]
     key_blocks = [pl.ds(start, block_k) for start in range(0, key_dim, block_k)]
     value_blocks = [pl.ds(start, block_v) for start in range(0, value_dim, block_v)]

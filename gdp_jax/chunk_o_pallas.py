@@ -188,6 +188,14 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
         prefetch_values=prefetch_values)
 
 
+def _index(x):
+    """An int32 scalar from pl.program_id in the dtype a Python int index takes (int64 under
+    jax_enable_x64, else int32: a no-op). Pallas' interpreter slices with every index of a ref
+    in one dynamic_slice, which refuses mixed int32 and int64, so a loop counter or index made
+    from program ids must match the literal offsets beside it."""
+    return jnp.asarray(x, dtype=int)
+
+
 def _load_rows(ref, row_valid, other=0):
     """Masked load of a [rows, ...] tile; rows past the end of the sequence read ``other``."""
     mask = row_valid.reshape(row_valid.shape + (1,) * (len(ref.shape) - 1))
@@ -340,7 +348,8 @@ def _chunk_o_kernel(*refs, num_householder: int, scale: float, chunk_size: int, 
         one_chunk(0, None)
     else:
         # The last program may own fewer chunks; a dynamic trip count keeps h reads in bounds.
-        jax.lax.fori_loop(0, jnp.minimum(chunks_per_program, num_chunks - first_chunk), one_chunk, None)
+        trip_count = _index(jnp.minimum(chunks_per_program, num_chunks - first_chunk))
+        jax.lax.fori_loop(0, trip_count, one_chunk, None)
 
 
 def chunk_o_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_householder: int,

@@ -415,6 +415,8 @@ BAD_INPUTS = [
     (dict(h=jnp.zeros((B, NT, H, K * V))), ValueError, r"^h\b"),
     (dict(g=jnp.zeros((B, T, H, 1))), ValueError, r"^g\b"),
     (dict(k=jnp.zeros((B, T * M + 1, H, K))), ValueError, r"^k\.shape\[1\]"),
+    (dict(k=jnp.zeros((B, 0, H, K)), v=jnp.zeros((B, 0, H, V))), ValueError,
+     r"^k\.shape\[1\] must be a multiple T\*M .* got k\.shape\[1\] = 0"),
     (dict(k=jnp.zeros((B, T * M, H, K + 1))), ValueError, r"^k\b"),
     (dict(v=jnp.zeros((B, T * M + 1, H, V))), ValueError, r"^v\b"),
     (dict(num_householder=3), ValueError, r"num_householder"),

@@ -71,6 +71,31 @@ def test_jit_vmap_grad_on_gpu():
         assert rel_err(a, b) < 2e-3
 
 
+# Under jax_enable_x64 the kernels' loop counters and literal offsets are int64 (chunk_o_pallas._index)
+# while program ids stay int32: the compiled kernels must give the same numbers as without it. K = 64
+# walks several chunks per program, K = 128 loops over K, M = 3 over value columns too.
+@pytest.mark.parametrize("key_dim,m", [(64, 2), (128, 2), (128, 3)])
+def test_x64_mode_compiled(key_dim, m):
+    p = make_problem(31 + m, batch=2, tokens=200, heads=2, key_dim=key_dim, value_dim=key_dim, m=m,
+                     chunk_size=64, gated=True, segments=True, dtype=jnp.bfloat16)
+    args = (p["q"], p["k"], p["v"], p["h"], p["g"])
+
+    def value_and_grads(q, k, v, h, g):
+        def loss(*args):
+            o = gdp_jax.chunk_gdp_fwd_o(*args, segment_ids=p["segment_ids"], chunk_size=64,
+                                        implementation="pallas")
+            return jnp.sum(o.astype(jnp.float32) ** 2), o
+        (_, o), grads = jax.value_and_grad(loss, argnums=range(5), has_aux=True)(q, k, v, h, g)
+        return (o,) + grads
+
+    off = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(value_and_grads)(*args)]
+    with jax.enable_x64(True):
+        on = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(value_and_grads)(*args)]
+    assert rel_err(on[0], p["o_ref"]) < TOL[jnp.bfloat16]
+    for name, got, want in zip(("o", "dq", "dk", "dv", "dh", "dg"), on, off):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
 def test_long_row_past_32_bit_indexing():
     """One row of 2^20 tokens: k, v and h each hold 2^32 elements (8.6 GB in bf16), so element
     offsets pass 2^31. Checked against the jnp path on slices at the start, middle and end."""

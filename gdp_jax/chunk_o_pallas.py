@@ -113,6 +113,9 @@ def kernel_config(key_dim: int, value_dim: int, chunk_size: int, num_householder
       0.674-0.676 ms, 93-94 % of the floor; back to back the power cap holds the clock at
       1590-1740 MHz, and 0.689-0.711 ms. Both value tiles in one program (the scores once, 20 %
       fewer FLOPs) ran cooler, 1860 against 1605 MHz, but slower: 0.721 against 0.711 ms.
+    - thirteenth session, K = V = 256, M = 2: one program per chunk with the scores in a K loop
+      of their own and q·h in a K loop per value step (q re-read; at step 64 no spill offline)
+      ran cooler again and slower again: 0.725 (step 128) and 0.777 (step 64) against 0.718 ms.
     - 4 warps, not 8: 0.314 vs 0.508 ms. The kernel is memory-bound; smaller programs leave room for
       more of them per SM, so more loads are in flight.
     - neighbouring programs take neighbouring heads (heads_fastest): 0.307 vs 0.320 ms (0.229 vs

@@ -25,8 +25,8 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (GpuMonitor, add_timing_args, copy_bandwidth, nbytes, parse_shapes,  # noqa: E402
-                          shape_label, time_jax)
+from bench_common import (GpuMonitor, add_dtype_arg, add_timing_args, jnp_dtype, copy_bandwidth,
+                          nbytes, parse_shapes, shape_label, time_jax)
 
 
 def parse_named_configs(text: str) -> dict:
@@ -48,7 +48,7 @@ def main(argv=None):
                    help="one shape, 'B=..,T=..,H=..,K=..,V=..,M=..[,segs=..]'")
     p.add_argument("--configs", default="", help="'name:key=value,...;...' kernel_config overrides")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    add_dtype_arg(p)
     p.add_argument("--chunk", type=int, default=64)
     add_timing_args(p)
     args = p.parse_args(argv)
@@ -63,7 +63,7 @@ def main(argv=None):
 
     (shp,) = parse_shapes(args.shape, {})
     configs = parse_named_configs(args.configs)
-    dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[args.dtype]
+    dtype = jnp_dtype(args.dtype)
     B, T, H, K, V, M = (shp[c] for c in "BTHKVM")
     on_cpu = jax.devices()[0].platform == "cpu"
 

@@ -33,8 +33,9 @@ import platform
 import time
 import traceback
 
-from bench_common import (add_timing_args, fmt as _fmt, log, parse_shapes as _parse_shapes, relative_error_fn,
-                          shape_label, short_exc, time_jax, time_torch, print_table)
+from bench_common import (add_dtype_arg, add_timing_args, jnp_dtype, fmt as _fmt, log,
+                          parse_shapes as _parse_shapes, relative_error_fn, shape_label, short_exc,
+                          time_jax, time_torch, print_table)
 
 SHAPE_SETS = {
     "default": [
@@ -52,7 +53,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="default", help="default, quick, tiny, or 'B=..,T=..,...;...'")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    add_dtype_arg(p)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--only", default="", help="comma-separated subset of columns to time")
     p.add_argument("--no-fla", action="store_true", help="skip fla even if importable")
@@ -143,7 +144,7 @@ def main(argv=None):
     from gdp_jax.cumsum import chunk_local_log2_cumsum
     from gdp_jax.segments import segment_runs
 
-    dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[args.dtype]
+    dtype = jnp_dtype(args.dtype)
     dev = jax.devices()[0]
     impl = "interpret" if args.interpret else "pallas"
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

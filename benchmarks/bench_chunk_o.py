@@ -36,8 +36,8 @@ import traceback
 # JAX and torch share the GPU in this process: JAX must not grab 75 % of memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from bench_common import (LOG2E, add_timing_args, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
-                          relative_error_fn,
+from bench_common import (LOG2E, add_dtype_arg, add_timing_args, jnp_dtype, copy_bandwidth,
+                          fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes, relative_error_fn,
                           short_exc, shape_label, time_jax, time_torch, print_table, GpuMonitor)
 from gdp_jax.reference import chunk_local_log2_cumsum as chunk_cumsum_log2
 
@@ -78,7 +78,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--shapes", default="default",
                    help="a named set (default, quick, tiny) or custom 'B=..,T=..,H=..,K=..,V=..,M=..[,segs=..];...'")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    add_dtype_arg(p)
     p.add_argument("--chunk", type=int, default=64, help="chunk size BT (default 64)")
     p.add_argument("--impls", default="pallas,xla,fla",
                    help="comma list of pallas, xla, interpret, fla (default pallas,xla,fla)")
@@ -194,7 +194,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
-    dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[args.dtype]
+    dtype = jnp_dtype(args.dtype)
     dev = jax.devices()[0]
     on_cpu = dev.platform == "cpu"
     BT = args.chunk

@@ -39,8 +39,8 @@ import platform
 import time
 import traceback
 
-from bench_common import (LOG2E, add_timing_args, copy_bandwidth, fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes,
-                          relative_error_fn,
+from bench_common import (LOG2E, add_dtype_arg, add_timing_args, jnp_dtype, copy_bandwidth,
+                          fmt as _fmt, log, nbytes, parse_shapes as _parse_shapes, relative_error_fn,
                           short_exc, shape_label, time_jax, print_table)
 
 SHAPE_SETS = {
@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default="default",
                    help="a named set (default, quick, tiny) or "
                         "'B=..,T=..,H=..,K=..[,V=..],M=..[,segs=..];...'")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    add_dtype_arg(p)
     p.add_argument("--chunk", type=int, default=64, help="chunk size BT (default 64)")
     p.add_argument("--no-g", action="store_true", help="time without the decay g (dg is then not produced)")
     p.add_argument("--op", action="store_true", help="also time the public op's backward (op_bwd)")
@@ -158,7 +158,7 @@ def main(argv=None):
     from gdp_jax.chunk_o_bwd_pallas import bwd_kernel_config, chunk_o_bwd_pallas
     from gdp_jax.chunk_o_pallas import chunk_o_pallas
 
-    dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[args.dtype]
+    dtype = jnp_dtype(args.dtype)
     dev = jax.devices()[0]
     on_cpu = dev.platform == "cpu"
     bt = args.chunk

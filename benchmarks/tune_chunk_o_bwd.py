@@ -39,8 +39,9 @@ import sys
 import time
 import traceback
 
-from bench_common import (add_timing_args, copy_bandwidth, fmt as _fmt, log, parse_shapes as _parse_shapes,
-                          relative_error_fn, shape_label, short_exc, time_jax, print_table)
+from bench_common import (add_dtype_arg, add_timing_args, jnp_dtype, copy_bandwidth, fmt as _fmt,
+                          log, parse_shapes as _parse_shapes, relative_error_fn, shape_label,
+                          short_exc, time_jax, print_table)
 from bench_chunk_o_bwd import SHAPE_SETS as _BENCH_SHAPES, backward_bytes, make_set, xla_vjp_fn
 
 SHAPE_SETS = dict(_BENCH_SHAPES)
@@ -106,7 +107,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="default",
                    help="a named set (default, quick, tiny) or 'B=..,T=..,H=..,K=..[,V=..],M=..[,segs=..];...'")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    add_dtype_arg(p)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--no-g", action="store_true", help="without the decay g")
     p.add_argument("--budget-s", type=float, default=300.0,
@@ -151,7 +152,7 @@ def main(argv=None):
     from gdp_jax.chunk_o_pallas import chunk_o_pallas
 
     elapsed = lambda: time.perf_counter() - t_start
-    dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[args.dtype]
+    dtype = jnp_dtype(args.dtype)
     dev = jax.devices()[0]
     bt = args.chunk
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -25,7 +25,30 @@ def test_bench_chunk_o_tiny(tmp_path, capsys):
         assert "error" not in row and row["xla_ms"] > 0 and row["interpret_ms"] > 0
         assert row["floor_ms"] > 0 and row["bytes"] > 0
         assert row["interpret_relerr_vs_xla"] < 2e-2            # bf16 inputs, f32 accumulation
-    assert "B2 T256 H2 K32 V16 M1 seg3" in capsys.readouterr().out
+        assert row["xla_pct_floor"] == pytest.approx(100 * row["floor_ms"] / row["xla_ms"], rel=1e-3)
+    printed = capsys.readouterr().out
+    assert "B2 T256 H2 K32 V16 M1 seg3" in printed
+    header = next(line for line in printed.splitlines() if line.startswith("shape"))
+    for column in ("pallas ms", "% floor", "xla ms", "fla ms", "fla/ours", "floor ms"):
+        assert column in header, column
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "bench.png").stat().st_size > 0             # the bar chart beside the JSON
+
+
+# The other dtypes, by the names users type (fp16, float32 as well as f16, f32).
+@pytest.mark.parametrize("dtype,expected,tolerance", [("fp16", "f16", 2e-2), ("float32", "f32", 1e-5)])
+def test_bench_chunk_o_dtypes(tmp_path, dtype, expected, tolerance):
+    import bench_chunk_o
+
+    out = tmp_path / "bench.json"
+    bench_chunk_o.main(["--shapes", "B=1,T=80,H=2,K=16,V=32,M=2,segs=2", "--dtype", dtype,
+                        "--impls", "xla,interpret", "--sets", "2", "--png", "none", "--out", str(out),
+                        *QUICK])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["dtype"] == expected and row["interpret_relerr_vs_xla"] < tolerance
 
 
 def test_ab_chunk_o_tiny(capsys):

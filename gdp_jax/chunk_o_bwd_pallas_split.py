@@ -311,8 +311,8 @@ def _roles_kernel(*refs, roles, num_householder: int, scale: float, chunk_size: 
         run_role(roles[0])
 
 
-def _roles_call(q, k, v, state, g, start_rows, do, *, roles, scale, chunk_size, num_householder, block_k,
-                block_v, dh_block_k, dh_block_v, num_warps, num_stages, interpret, name):
+def _roles_call(q, k, v, state, g, start_rows, do, *, roles, scale, chunk_size, num_householder,
+                block_k, block_v, dh_block_k, dh_block_v, num_warps, num_stages, interpret, name):
     """One pallas_call of the roles kernel; returns dict of its outputs (dg summed over slots)."""
     batch, tokens, heads, key_dim = q.shape
     value_dim = v.shape[-1]
@@ -392,10 +392,10 @@ def _roles_call(q, k, v, state, g, start_rows, do, *, roles, scale, chunk_size, 
     return outs
 
 
-def chunk_o_bwd_split(q, k, v, h, g, start_rows, do, *, scale: float, chunk_size: int, num_householder: int,
-                      interpret: bool, variant: str, roles: str, block_k: int, block_v: int,
-                      num_warps: int, num_stages: int, dh_block_k: int, dh_block_v: int,
-                      dh_num_warps: int, dh_num_stages: int):
+def chunk_o_bwd_split(q, k, v, h, g, start_rows, do, *, scale: float, chunk_size: int,
+                      num_householder: int, interpret: bool, variant: str, roles: str,
+                      block_k: int, block_v: int, num_warps: int, num_stages: int,
+                      dh_block_k: int, dh_block_v: int, dh_num_warps: int, dh_num_stages: int):
     """(dq, dk, dv, dh, dg) as ``chunk_o_bwd_pallas``, by the kernels of ``variant``.
 
     Inputs validated and block sizes checked by the caller; do already in v's dtype; segments as
@@ -414,8 +414,8 @@ def chunk_o_bwd_split(q, k, v, h, g, start_rows, do, *, scale: float, chunk_size
         if variant == "roles":
             if tasks != set(TASKS):
                 raise ValueError(f"variant 'roles' needs roles over all of {TASKS}; got {roles!r}")
-            outs = _roles_call(q, k, v, h, g, start_rows, do, roles=parsed, name="gdp_chunk_o_bwd_roles",
-                               **common)
+            outs = _roles_call(q, k, v, h, g, start_rows, do, roles=parsed,
+                               name="gdp_chunk_o_bwd_roles", **common)
             dh = outs["dh"]
         else:
             if tasks != {"dq", "dkv"}:

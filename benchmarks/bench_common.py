@@ -161,22 +161,24 @@ def _pick_n(est_s, target_s, nsets, max_iters):
     return int(math.ceil(n / nsets) * nsets)
 
 
-# --dtype: the short names the scripts print and store, and the other spellings they accept.
-DTYPE_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "f16": "f16", "fp16": "f16", "float16": "f16",
-                 "half": "f16", "f32": "f32", "fp32": "f32", "float32": "f32"}
+# --dtype: the short names the scripts print and store, each with its jnp name, and the other
+# spellings they accept.
+DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+DTYPE_ALIASES = {**{name: short for short, name in DTYPES.items()}, "fp16": "f16", "half": "f16",
+                 "fp32": "f32"}
 
 
 def add_dtype_arg(parser, default="bf16"):
     """--dtype bf16 | f16 | f32 (also fp16, float16, bfloat16, ...); args.dtype is the short name,
     and jnp_dtype(args.dtype) the array dtype."""
     parser.add_argument("--dtype", default=default, type=lambda name: DTYPE_ALIASES.get(name, name),
-                        choices=["bf16", "f16", "f32"],
+                        choices=list(DTYPES),
                         help="input dtype: bf16, f16 (fp16, float16) or f32 (fp32, float32)")
 
 
-def jnp_dtype(name):
+def jnp_dtype(short_name):
     import jax.numpy as jnp
-    return {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[name]
+    return getattr(jnp, DTYPES[short_name])
 
 
 def add_timing_args(parser, *, sets=3, reps=5, target_ms=150.0, max_iters=300, copy_mb=2048.0):

@@ -49,3 +49,10 @@ KERNEL_MAX_WIDTH = 256
 def kernel_widths_supported(key_dim: int, value_dim: int) -> bool:
     """Whether K and V, padded to tile widths, are within KERNEL_MAX_WIDTH."""
     return max(tile_width(key_dim), tile_width(value_dim)) <= KERNEL_MAX_WIDTH
+
+
+def kernel_dtype_supported(dtype) -> bool:
+    """Whether the Pallas kernels, compiled or interpreted, take inputs of this dtype: 2- and
+    4-byte floats. float64 (under jax_enable_x64) runs the jnp stages in float64 instead (chunk_o.py,
+    chunk.py); the kernels accumulate in float32 and have no 8-byte tiles."""
+    return jnp.dtype(dtype).itemsize <= 4

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _validation as val
-from gdp_jax._chunking import kernel_widths_supported, tile_width
+from gdp_jax._chunking import kernel_dtype_supported, kernel_widths_supported, tile_width
 from gdp_jax.chunk_h import chunk_h_xla
 from gdp_jax.chunk_h_bwd_pallas import chunk_h_bwd_pallas
 from gdp_jax.chunk_h_pallas import chunk_h_pallas
@@ -110,9 +110,9 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
     stage = dict(chunk_size=chunk_size, num_householder=m)
     # Widths beyond the kernels' (K or V above 256) take the jnp stages under "pallas" too, and
-    # float64 inputs (jax_enable_x64) under "pallas" and "interpret" alike: the kernels take 2- and
-    # 4-byte tiles. chunk_o decides the same for itself (chunk_o._resolved).
-    if (implementation == "xla" or jnp.dtype(q.dtype).itemsize > 4
+    # float64 inputs under "pallas" and "interpret" alike; chunk_o decides the same for itself
+    # (chunk_o._resolved).
+    if (implementation == "xla" or not kernel_dtype_supported(q.dtype)
             or (implementation == "pallas" and not kernel_widths_supported(key_dim, value_dim))):
         h, v_new, final_state = _states_jnp(k, v, beta, g_log2, runs, initial_state, **stage)
     else:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _validation as val
-from gdp_jax._chunking import kernel_widths_supported, tile_width
+from gdp_jax._chunking import kernel_dtype_supported, kernel_widths_supported, tile_width
 from gdp_jax.chunk_o_bwd_pallas import chunk_o_bwd_pallas
 from gdp_jax.chunk_o_pallas import chunk_o_pallas
 from gdp_jax.segments import segment_runs
@@ -111,10 +111,8 @@ def _compiled_kernels_fit(dtype, key_dim: int, value_dim: int, chunk_size: int) 
 
 def _resolved(config: _Config, q, v) -> str:
     """config.implementation, with "pallas" turned into "xla" where the kernels do not fit, and
-    "pallas" or "interpret" into "xla" for float64 inputs (under jax_enable_x64): the kernels
-    accumulate in float32 and take 2- and 4-byte tiles only, so float64 gets the jnp path's
-    float64 arithmetic instead."""
-    if jnp.dtype(q.dtype).itemsize > 4:
+    "pallas" or "interpret" into "xla" for float64 inputs (``kernel_dtype_supported``)."""
+    if not kernel_dtype_supported(q.dtype):
         return "xla"
     if config.implementation == "pallas" and not _compiled_kernels_fit(
             q.dtype, q.shape[-1], v.shape[-1], config.chunk_size):

@@ -13,9 +13,9 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import _validation as val
-from gdp_jax.cumsum import chunk_local_log2_cumsum
-from gdp_jax.segments import segment_starts
+from gdp_jax._src import validation as val
+from gdp_jax._src.segments import segment_starts
+from gdp_jax.ops.cumsum import chunk_local_log2_cumsum
 
 
 class RecurrenceOutputs(NamedTuple):

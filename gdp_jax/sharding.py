@@ -67,9 +67,10 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gdp_jax import _validation as val
-from gdp_jax.chunk import chunk_gated_delta_product
-from gdp_jax.chunk_o import chunk_gdp_fwd_o
+from gdp_jax._src import dispatch
+from gdp_jax._src import validation as val
+from gdp_jax.ops.chunk_o import chunk_gdp_fwd_o
+from gdp_jax.ops.gated_delta_product import chunk_gated_delta_product
 
 AxisSpec = Union[None, str, Sequence[str]]
 
@@ -205,7 +206,7 @@ def _prepare(op_name: str, op_with, operands, mesh, batch_axis, head_axis, token
                          f"head_axis={head_axis!r}; a mesh axis can shard only one array axis")
     # eval_shape traces the jnp path abstractly (no compute, no kernel), running every check of the
     # op; the implementation name is checked separately since the trace forces "xla".
-    val.resolve_implementation(op_kwargs.get("implementation"))
+    dispatch.resolve_implementation(op_kwargs.get("implementation"))
     jax.eval_shape(op_with({**op_kwargs, "implementation": "xla"}), *operands)
     batch, heads = np.shape(operands[0])[0], np.shape(operands[0])[2]
     _check_divides("B", batch, "batch_axis", batch_names, mesh)

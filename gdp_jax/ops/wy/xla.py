@@ -1,4 +1,4 @@
-"""Stage 2 of Gated DeltaProduct: the WY (UT) representation of each chunk on the expanded stream.
+"""Stage 2 of Gated DeltaProduct in jnp: the WY (UT) representation of each chunk on the expanded stream.
 
 Within chunk c (first token c0, state h[c] before it), write position j of the expanded stream for
 step m of token t = t(j), gamma_j = g[t(j)] (chunk-local cumulative log2 decay, stage 1), live_j =
@@ -22,29 +22,14 @@ the chunk needs nothing more: rows after it never see h[c] (live = 0) nor earlie
 (I + A)^{-1} is formed by block doubling with batched matmuls (``unit_lower_inverse``), not with
 lax.linalg.triangular_solve: on CPU, jaxlib 0.10's LAPACK trsm splits large batches over XLA's
 thread pool and then waits on it, so two solves running at once (w and u, or their VJPs) can
-deadlock a 2-thread pool (seen as a training loop asleep on a futex; examples/tiny_lm.py's history).
+deadlock a 2-thread pool.
 """
 from __future__ import annotations
 
-import math
-from typing import Optional
-
-import jax
 import jax.numpy as jnp
 
-from gdp_jax._chunking import expand, from_chunks, to_chunks
-
-_HIGHEST = jax.lax.Precision.HIGHEST
-_LN2 = math.log(2.0)
-
-
-def chunk_decays(g: Optional[jax.Array], runs: Optional[jax.Array], batch: int, tokens: int,
-                 heads: int, chunk_size: int):
-    """Per-chunk float32 decays [B, NT, H, BT] and int32 run numbers [B, NT, BT] (padding repeats
-    the last real token: it neither decays nor starts a segment). None -> zeros."""
-    g = jnp.zeros((batch, tokens, heads), jnp.float32) if g is None else g.astype(jnp.float32)
-    runs = jnp.zeros((batch, tokens), jnp.int32) if runs is None else runs.astype(jnp.int32)
-    return to_chunks(g, chunk_size, mode="edge"), to_chunks(runs, chunk_size, mode="edge")
+from gdp_jax._src.layout import chunk_decays, expand, from_chunks, to_chunks
+from gdp_jax._src.pallas import HIGHEST as _HIGHEST, LN2 as _LN2
 
 
 def wy_xla(k, v, beta, g, runs, *, chunk_size: int, num_householder: int):

@@ -6,10 +6,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import _validation as val
-from gdp_jax.chunk import l2norm
-
-_HIGHEST = jax.lax.Precision.HIGHEST
+from gdp_jax._src import validation as val
+from gdp_jax._src.layout import l2norm
+from gdp_jax._src.pallas import HIGHEST as _HIGHEST
 
 
 def recurrent_gdp_step(q_t: jax.Array, k_t: jax.Array, v_t: jax.Array, g_t: Optional[jax.Array],

@@ -1,8 +1,8 @@
 """Backward of stage 3 (the chunk-state walk): a Pallas kernel (Triton lowering) for the reverse
 walk, then a chunk-parallel Pallas epilogue kernel. Together they are the exact VJP of
-``chunk_h.chunk_h_xla`` (and, with ``subchunks``, of chunk_h_pallas's sub-chunk walk).
+``chunk_h.xla.chunk_h_xla`` (and, with ``subchunks``, of ``chunk_h_pallas``'s sub-chunk walk).
 
-Forward, per batch row and head (see chunk_h.py). Chunk c has L = BT*M positions j (j = t*M + m for
+Forward, per batch row and head (see ``chunk_h.xla``). Chunk c has L = BT*M positions j (j = t*M + m for
 token t of the chunk, padded to a whole chunk), chunk-local log2 decays gamma_j = g[t(j)] (padding
 repeats the last real token) and run numbers run_j:
 
@@ -47,10 +47,8 @@ second kernel, one program per (head, chunk, batch row): dw = -dvt h^T and dkd =
 the whole V, which a per-value-block program could only produce as partial sums (an extra
 [V/BV, ...] output per cotangent and a reduction). h and v_new are the forward's outputs, saved as
 residuals (no recomputation); the epilogue re-reads them and dS (one [B, NT, H, K, V] array,
-the size of h, written once and read once). As batched jnp einsums this epilogue took
-4 ms on an H200 at B=8 T=4096 H=16 K=V=128 M=2 (sub-chunk grid), twice the walk; as this kernel,
-1.9 ms. This follows flash-linear-attention, whose bwd_dhu kernel also walks only the state and
-dv while dk/dw/dg come from a chunk-parallel kernel.
+the size of h, written once and read once). This follows flash-linear-attention, whose bwd_dhu
+kernel also walks only the state and dv while dk/dw/dg come from a chunk-parallel kernel.
 The trade-off: a short walk per iteration (two [BT, BK] x [BK, BV]-sized dots per copy and key
 block, on the critical path) and full parallelism for the rest, for one extra h-sized round trip.
 
@@ -58,65 +56,61 @@ Kernel details. The state cotangent is held as a tuple of [BK, BV] float32 tiles
 (static Python loop), so no live tile is wider than [BT, BK] and [BK, BV]. The M copies of a chunk
 are a real inner ``lax.fori_loop`` (dynamic index on the copy axis), not unrolled: unrolled, every
 copy gets its own load/store sites whose address tensors the compiler hoists out of the chunk loop
-and keeps live (K = V = 128, M = 2: 255 registers and spills unrolled, 224 and none as a loop; see
-``default_blocks``). Dots take ``dot_dtype`` operands with float32 accumulation: float32 (tf32
-on the GPU) by default, bfloat16 in the op for bfloat16 inputs, like the forward walk; dvt, dS
-and dw then pass through HBM in 16 bits too (not float16: see chunk._bwd_dot_dtype). Reset flags and chunk-end
+and keeps live (more registers, spills). Dots take ``dot_dtype`` operands with float32
+accumulation: float32 (TF32 on the GPU) by default, bfloat16 in the op for bfloat16 inputs
+(``_src.dispatch.walk_bwd_dot_dtype``); dvt, dS and dw then pass through HBM in 16 bits too. Reset flags and chunk-end
 values come from reductions over the chunk's vectors, not scalar loads: runs never decrease along T,
 so run_first = min(run), run_last = max(run), and the reset between chunk c-1 and c is applied one
 iteration later (when chunk c-1's runs are loaded), comparing with chunk c's run_first carried in
 the loop. gamma_last is a masked sum of the chunk's gamma vector. Rows, K and V are padded like the
 forward kernel (zero k, w, dv_new, dh, dfinal; edge-padded g and runs), which changes nothing.
-
-Status: tested through Pallas' interpreter on CPU (tests/test_chunk_h_bwd.py) and compiled on an
-H200 (tests/test_chunk_gpu.py: the kernels alone against jax.vjp of the jnp scan, and the full
-op's gradients, which use them on the sub-chunk grid).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from gdp_jax._chunking import tile_width
-from gdp_jax._triton_warning import triton_backend_warning_filtered
-from gdp_jax.chunk_h_pallas import decay_and_run_operands, stream_layout
-
-_LN2 = math.log(2.0)
+from gdp_jax._src.layout import pad_state, stream_layout, tile_width
+from gdp_jax._src.pallas import LN2, triton_call
+from gdp_jax.ops.chunk_h.pallas_fwd import decay_and_run_operands
 
 
-def default_blocks(key_dim: int, value_dim: int, chunk_size: int,
-                   dot_dtype=jnp.float32) -> tuple[int, int, int]:
-    """(block_k, block_v, num_warps) for K, V (padded to tile widths), the chunk size and the dots'
-    operand dtype.
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Launch parameters of the reverse walk (one program per (value block, head, batch row)) and
+    its epilogue (one per (head, chunk, batch row)); ``default_block_sizes`` picks them."""
+    block_k: int
+    block_v: int
+    num_warps: int
+    num_stages: int = 1
+    epilogue_warps: int = 4
 
-    16-bit dots (the op's choice for bfloat16 inputs), K <= 128: the whole K in one block and 64
-    value columns, 4 warps. Measured on an H200 (benchmarks/profile_full_bwd.py --walk-configs,
-    sub-chunk walk of B=8 T=4096 H=16 K=V=128 M=2 bf16, ms): (BK, BV, warps) = (128, 64, 4) 0.771;
-    (64, 64, 4) 0.930; (64, 32, 2) 1.004; (128, 32, 4) 1.281; (64, 32, 4) (the float32 choice
-    below) 1.522; 8 warps 1.33-1.82. Wider K keeps the float32 table (not measured in 16 bits).
 
-    Float32 dots: chosen by compiling the kernel's Triton IR (lowered by jax 0.10.2 on CPU)
-    offline with pip triton 3.9 for sm_90a and reading ptxas' register counts. All tiles are
-    float32. Registers go less to the data tiles than to the hoisted address tensors of every
-    load/store site, so smaller blocks (more sites) do not help: BK = 32 spills where BK = 64 does
-    not. Measured (regs/thread, spill bytes; chunk 64 unless noted, M = 2):
-      K = V = 128, BK 64: BV 32 4 warps 224/0, BV 64 253/0 (half the programs), BV 32 BK 32 255/24;
-      K = 256: BV 32 4 warps 255/20, BV 16 246/0;  chunk 128, K = 128 BV 32: 4 warps 255/316,
-      8 warps 236/0;  chunk 128, K = 256 BV 16 8 warps 246/0;  K = 64, V = 256, M = 3: 127/0.
-    Shared memory stays under 82 KiB in all of these. The walk is latency bound (one dependent
+def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int,
+                        dot_dtype=jnp.float32) -> BlockSizes:
+    """The launch table for K, V (padded to tile widths inside), the chunk size and the dots'
+    operand dtype. RESULTS.md, "Reverse state walk and its epilogue":
+
+    | shape class | (block_k, block_v) | why |
+    |---|---|---|
+    | 16-bit dots, K <= 128 | (K, 64) | measured fastest of the block and warp choices |
+    | float32 dots, K <= 128 | (64, 32) | no spill in offline sm_90a builds (BK 32 spills: more load sites) |
+    | float32 dots, K = 256 | (64, 16) | the widest value block without spills offline |
+
+    8 warps at chunk 128 (4 spill there offline), else 4. The walk is latency bound (one dependent
     chain of dots per chunk), so narrower value blocks, i.e. more programs, are preferred.
     """
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     warps = 8 if chunk_size >= 128 else 4
     if jnp.dtype(dot_dtype).itemsize == 2 and kp <= 128:
-        return kp, min(vp, 64), warps
-    block_v = min(vp, 32 if kp <= 128 else 16)
-    return min(kp, 64), block_v, warps
+        return BlockSizes(block_k=kp, block_v=min(vp, 64), num_warps=warps)
+    return BlockSizes(block_k=min(kp, 64), block_v=min(vp, 32 if kp <= 128 else 16), num_warps=warps)
 
 
 def _decay_coefficients(g, segment, is_last):
@@ -138,15 +132,10 @@ def _decay_coefficients(g, segment, is_last):
     return coeff, carry_in
 
 
-def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks: int,
-                        block_k: int, has_g: bool, has_segments: bool, has_initial_state: bool,
-                        subchunks: int, dot_dtype):
-    k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, *refs = refs
-    g_ref = refs.pop(0) if has_g else None
-    runs_ref = refs.pop(0) if has_segments else None
-    du_ref, dstate_ref, *refs = refs
-    dinit_ref = refs.pop(0) if has_initial_state else None
-    assert not refs
+def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_ref,
+                        du_ref, dstate_ref, dinit_ref, *, num_householder: int, chunk_size: int,
+                        num_chunks: int, block_k: int, subchunks: int, dot_dtype):
+    has_g, has_segments = g_ref is not None, runs_ref is not None
     key_dim = dstate_ref.shape[-2]
     key_blocks = [pl.ds(start, block_k) for start in range(0, key_dim, block_k)]
     is_last = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
@@ -199,25 +188,23 @@ def _chunk_h_bwd_kernel(*refs, num_householder: int, chunk_size: int, num_chunks
         return carry
 
     ds, _ = jax.lax.fori_loop(0, num_chunks // subchunks, one_stored_chunk, (ds, jnp.int32(0)))
-    if has_initial_state:                                            # dS_in[0], never reset
+    if dinit_ref is not None:                                        # dS_in[0], never reset
         for kb, x in zip(key_blocks, ds):
             dinit_ref[kb, :] = x
 
 
 def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_householder: int,
-                     with_initial_state: bool, interpret: bool = False,
-                     block_k: int | None = None, block_v: int | None = None,
-                     num_warps: int | None = None, num_stages: int = 1, subchunks: int = 1,
-                     dot_dtype=jnp.float32):
+                     with_initial_state: bool, subchunks: int = 1, dot_dtype=jnp.float32,
+                     interpret: bool = False, block_sizes: Optional[BlockSizes] = None):
     """The reverse walk alone: (dvt [B, T_pad*M, H, Vp], dS [B, NT, H, Kp, Vp], dinitial
     [B, H, Kp, Vp] or None), padded (T to whole chunks, K and V to tile widths). dvt and dS come
-    in ``dot_dtype`` (the dtype the dots' operands are rounded to, float32 accumulation; float32
-    by default), dinitial in float32; the carried dS is float32.
+    in ``dot_dtype`` (the dtype the dots' operands are rounded to, float32 accumulation), dinitial
+    in float32; the carried dS is float32.
 
-    ``subchunks`` > 1 mirrors chunk_h_pallas's: dh [B, NT / subchunks, H, K, V] is the cotangent
-    of the states stored before every ``subchunks``-th chunk (the others were not outputs). The
-    stream must then already be padded to whole groups of ``subchunks`` chunks, as chunk.py pads
-    it with non-decaying g (edge padding here would decay the final state's cotangent)."""
+    ``subchunks`` > 1 mirrors ``chunk_h_pallas``'s: dh [B, NT / subchunks, H, K, V] is the
+    cotangent of the states stored before every ``subchunks``-th chunk (the others were not
+    outputs). The stream must then already be padded to whole groups of ``subchunks`` chunks with
+    non-decaying g (edge padding here would decay the final state's cotangent)."""
     batch, positions, heads, key_dim = k.shape
     value_dim = dv_new.shape[-1]
     m = num_householder
@@ -229,19 +216,12 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     pad_t = num_chunks * chunk_size - tokens
     t_pad = tokens + pad_t
     kp, vp = tile_width(key_dim), tile_width(value_dim)
-    bk, bv, warps = default_blocks(key_dim, value_dim, chunk_size, dot_dtype)
-    block_k, block_v, num_warps = block_k or bk, block_v or bv, num_warps or warps
+    sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size, dot_dtype)
+    block_k, block_v = sizes.block_k, sizes.block_v
     for name, block, width in (("block_k", block_k, kp), ("block_v", block_v, vp)):
         if width % block or block < 16 or block & (block - 1):
             raise ValueError(f"{name} must be a power of two >= 16 dividing {width}; got {block}")
     f32 = jnp.float32
-
-    def state(x):          # [..., K, V] -> [..., Kp, Vp] in x's dtype: the kernel upcasts its loads
-        pads = [(0, 0)] * (x.ndim - 2) + [(0, kp - key_dim), (0, vp - value_dim)]
-        return jnp.pad(x, pads)
-
-    operands = [stream_layout(x, width, pad_t, m) for x, width in ((k, kp), (w, kp), (dv_new, vp))]
-    operands += [state(dh), state(dfinal)]
     key_stream = pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0))
     value_stream = pl.BlockSpec((None, t_pad, m, None, block_v),
                                 lambda vb, hd, b: (b, 0, 0, hd, vb))
@@ -250,50 +230,33 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     one_state = pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb))
     stored_states = pl.BlockSpec((None, num_chunks // subchunks, None, kp, block_v),
                                  lambda vb, hd, b: (b, 0, hd, 0, vb))
-    in_specs = [key_stream, key_stream, value_stream, stored_states, one_state]
-    row_operands, row_specs = decay_and_run_operands(g, runs, pad_t)
-    operands += row_operands
-    in_specs += row_specs
-
+    (g_p, runs_p), (g_spec, runs_spec) = decay_and_run_operands(g, runs, pad_t)
+    # States stay in their dtype: the kernel upcasts its loads.
+    operands = (stream_layout(k, kp, pad_t, m), stream_layout(w, kp, pad_t, m),
+                stream_layout(dv_new, vp, pad_t, m), pad_state(dh, kp, vp),
+                pad_state(dfinal, kp, vp), g_p, runs_p)
+    in_specs = (key_stream, key_stream, value_stream, stored_states, one_state, g_spec, runs_spec)
     dot_dtype = jnp.dtype(dot_dtype)
-    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), dot_dtype),
-                 jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), dot_dtype)]
-    out_specs = [value_stream, states]
-    if with_initial_state:
-        out_shape.append(jax.ShapeDtypeStruct((batch, heads, kp, vp), f32))
-        out_specs.append(one_state)
-
+    out_shape = (jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), dot_dtype),
+                 jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), dot_dtype),
+                 jax.ShapeDtypeStruct((batch, heads, kp, vp), f32) if with_initial_state else None)
+    out_specs = (value_stream, states, one_state if with_initial_state else None)
     kernel = functools.partial(
         _chunk_h_bwd_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
-        block_k=block_k, has_g=g is not None, has_segments=runs is not None,
-        has_initial_state=with_initial_state, subchunks=subchunks, dot_dtype=dot_dtype)
-    call = pl.pallas_call(
-        kernel,
-        out_shape=tuple(out_shape),
-        grid=(vp // block_v, heads, batch),
-        in_specs=in_specs,
-        out_specs=tuple(out_specs),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="gdp_chunk_h_bwd",
-    )
-    with triton_backend_warning_filtered():
-        outs = call(*operands)
-    dvt, dstate = outs[0], outs[1]
-    dinit = outs[2] if with_initial_state else None
+        block_k=block_k, subchunks=subchunks, dot_dtype=dot_dtype)
+    dvt, dstate, dinit = triton_call(
+        kernel, *operands, name="gdp_chunk_h_bwd", grid=(vp // block_v, heads, batch),
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)
     return dvt.reshape(batch, t_pad * m, heads, vp), dstate, dinit
 
 
-def _epilogue_kernel(*refs, num_householder: int, chunk_size: int, block_k: int, block_v: int,
-                     has_g: bool, has_segments: bool, dot_dtype):
+def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_ref,
+                     dk_ref, dw_ref, dgamma_ref, *, num_householder: int, chunk_size: int,
+                     block_k: int, block_v: int, dot_dtype):
     """One program per (head, chunk, batch row): dw, dk and dgamma of chunk c from the walk's dvt
     and dS_c and the forward's h[c] and v_new (see the module docstring)."""
-    k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, *refs = refs
-    g_ref = refs.pop(0) if has_g else None
-    runs_ref = refs.pop(0) if has_segments else None
-    dk_ref, dw_ref, *refs = refs
-    dgamma_ref = refs.pop(0) if has_g else None
-    assert not refs
+    has_g, has_segments = g_ref is not None, runs_ref is not None
     f32 = jnp.float32
     key_dim, value_dim = h_ref.shape
     key_blocks = [pl.ds(s, block_k) for s in range(0, key_dim, block_k)]
@@ -323,7 +286,7 @@ def _epilogue_kernel(*refs, num_householder: int, chunk_size: int, block_k: int,
             dw_ref[:, m, kb] = dw.astype(dw_ref.dtype)
             dk_ref[:, m, kb] = coeff[:, None] * dkd
             z += jnp.sum(k_ref[:, m, kb].astype(f32) * dkd, axis=1)
-        return z_sum + _LN2 * coeff * z, hds                               # z_j, summed over copies
+        return z_sum + LN2 * coeff * z, hds                               # z_j, summed over copies
 
     z_sum = jnp.zeros((chunk_size,), f32)
     hds = jnp.zeros((block_k, block_v), f32)
@@ -333,33 +296,29 @@ def _epilogue_kernel(*refs, num_householder: int, chunk_size: int, block_k: int,
         z_sum, hds = jax.lax.fori_loop(0, num_householder, one_copy, (z_sum, hds))
     if has_g:
         frobenius = jnp.sum(hds)                                          # <h[c], dS_c>
-        y = _LN2 * carry_in * frobenius
+        y = LN2 * carry_in * frobenius
         dgamma_ref[...] = -z_sum + jnp.where(is_last, jnp.sum(z_sum) + y, 0.0)
 
 
 def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_size: int,
-                       num_householder: int, with_initial_state: bool, interpret: bool = False,
-                       epilogue_warps: int = 4, subchunks: int = 1, dot_dtype=jnp.float32,
-                       **walk_kwargs):
-    """(dk, dw, du, dg, dinitial_state): the VJP of ``chunk_h.chunk_h_xla``. dk, dg and
+                       num_householder: int, with_initial_state: bool, subchunks: int = 1,
+                       dot_dtype=jnp.float32, interpret: bool = False,
+                       block_sizes: Optional[BlockSizes] = None):
+    """(dk, dw, du, dg, dinitial_state): the VJP of ``chunk_h.xla.chunk_h_xla``. dk, dg and
     dinitial_state are float32; dw and du come in ``dot_dtype``.
 
     Primals: k, w [B, T*M, H, K]; g [B, T, H] chunk-local log2 decays or None; runs [B, T] int32
     or None. Forward results (residuals): h [B, NT, H, K, V] (any float dtype), v_new
     [B, T*M, H, V]. Cotangents: dh [B, NT, H, K, V], dv_new [B, T*M, H, V], dfinal [B, H, K, V],
-    each in any float dtype (the kernels upcast what they load: 16-bit cotangents are not first
-    widened to float32 in HBM). dg is None when g is None, dinitial_state None unless
-    ``with_initial_state``.
-    ``walk_kwargs`` (block_k, block_v, num_warps, num_stages) go to the reverse-walk kernel;
-    the epilogue kernel runs one program per (head, chunk, batch row) with ``epilogue_warps``.
-    ``dot_dtype`` (default float32, TF32 on the GPU) is the dtype both kernels round their dots'
+    each in any float dtype (the kernels upcast what they load). dg is None when g is None,
+    dinitial_state None unless ``with_initial_state``.
+    ``dot_dtype`` (float32 by default, TF32 on the GPU) is the dtype both kernels round their dots'
     operands to (float32 accumulation, float32 carried state), and the dtype of the intermediates
-    they pass through HBM (dvt, the per-chunk dS) and of dw, du. The op passes bfloat16 for
-    bfloat16 inputs, as flash-linear-attention's backward keeps these in 16 bits.
-    ``subchunks`` > 1 (chunk_h_pallas's): dh [B, NT / subchunks, H, K, V] holds the cotangents of
-    the states stored before every ``subchunks``-th chunk, while h (the residual) holds all NT
-    chunks' states; T must then be a multiple of chunk_size * subchunks (chunk_h_bwd_walk). The
-    result is then the VJP of chunk_h_pallas(subchunks=...) rather than of chunk_h_xla.
+    they pass through HBM (dvt, the per-chunk dS) and of dw, du.
+    ``subchunks`` > 1 (``chunk_h_pallas``'s): dh [B, NT / subchunks, H, K, V] holds the cotangents
+    of the states stored before every ``subchunks``-th chunk, while h (the residual) holds all NT
+    chunks' states; T must then be a multiple of chunk_size * subchunks. The result is then the
+    VJP of ``chunk_h_pallas(subchunks=...)``.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v_new.shape[-1]
@@ -370,55 +329,40 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     t_pad = tokens + pad_t
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     f32 = jnp.float32
-
+    sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size, dot_dtype)
     dvt, dstate, dinit = chunk_h_bwd_walk(
         k, w, g, runs, dh, dv_new, dfinal, chunk_size=chunk_size, num_householder=m,
-        with_initial_state=with_initial_state, interpret=interpret, subchunks=subchunks,
-        dot_dtype=dot_dtype, **walk_kwargs)
+        with_initial_state=with_initial_state, subchunks=subchunks, dot_dtype=dot_dtype,
+        interpret=interpret, block_sizes=sizes)
     # The epilogue, chunk-parallel: dw = -dvt h^T and dkd = v_new dS^T sum over the whole V (see
     # the module docstring), on [BT, 64] tiles, reading h[c] and dS_c once per copy.
-    h_p = jnp.pad(h, ((0, 0), (0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim)))
     block_k, block_v = min(kp, 64), min(vp, 64)
     key_stream = pl.BlockSpec((None, chunk_size, m, None, kp), lambda hd, c, b: (b, c, 0, hd, 0))
     value_stream = pl.BlockSpec((None, chunk_size, m, None, vp), lambda hd, c, b: (b, c, 0, hd, 0))
     state = pl.BlockSpec((None, None, None, kp, vp), lambda hd, c, b: (b, c, hd, 0, 0))
-    operands = [stream_layout(k, kp, pad_t, m), stream_layout(v_new, vp, pad_t, m),
-                dvt.reshape(batch, t_pad, m, heads, vp), h_p, dstate]
-    in_specs = [key_stream, value_stream, value_stream, state, state]
     per_token = pl.BlockSpec((None, chunk_size, None), lambda hd, c, b: (b, c, hd))
-    if g is not None:
-        operands.append(jnp.pad(g.astype(f32), ((0, 0), (0, pad_t), (0, 0)), mode="edge"))
-        in_specs.append(per_token)
-    if runs is not None:
-        operands.append(jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, pad_t)), mode="edge"))
-        in_specs.append(pl.BlockSpec((None, chunk_size), lambda hd, c, b: (b, c)))
-    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), f32),          # dk
-                 jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), dvt.dtype)]    # dw
-    out_specs = [key_stream, key_stream]
-    if g is not None:
-        out_shape.append(jax.ShapeDtypeStruct((batch, t_pad, heads), f32))
-        out_specs.append(per_token)
-    kernel = functools.partial(
-        _epilogue_kernel, num_householder=m, chunk_size=chunk_size, block_k=block_k,
-        block_v=block_v, has_g=g is not None, has_segments=runs is not None,
-        dot_dtype=dvt.dtype)
-    call = pl.pallas_call(
-        kernel,
-        out_shape=tuple(out_shape),
-        grid=(heads, num_chunks, batch),
-        in_specs=in_specs,
-        out_specs=tuple(out_specs),
-        compiler_params=plgpu.CompilerParams(num_warps=epilogue_warps, num_stages=1),
-        interpret=interpret,
-        name="gdp_chunk_h_bwd_epilogue",
-    )
-    with triton_backend_warning_filtered():
-        outs = call(*operands)
+    g_p = None if g is None else jnp.pad(g.astype(f32), ((0, 0), (0, pad_t), (0, 0)), mode="edge")
+    runs_p = None if runs is None else jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, pad_t)),
+                                               mode="edge")
+    operands = (stream_layout(k, kp, pad_t, m), stream_layout(v_new, vp, pad_t, m),
+                dvt.reshape(batch, t_pad, m, heads, vp), pad_state(h, kp, vp), dstate, g_p, runs_p)
+    in_specs = (key_stream, value_stream, value_stream, state, state,
+                None if g is None else per_token,
+                None if runs is None else pl.BlockSpec((None, chunk_size), lambda hd, c, b: (b, c)))
+    out_shape = (jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), f32),          # dk
+                 jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), dvt.dtype),    # dw
+                 None if g is None else jax.ShapeDtypeStruct((batch, t_pad, heads), f32))
+    out_specs = (key_stream, key_stream, None if g is None else per_token)
+    kernel = functools.partial(_epilogue_kernel, num_householder=m, chunk_size=chunk_size,
+                               block_k=block_k, block_v=block_v, dot_dtype=dvt.dtype)
+    dk, dw, dgamma = triton_call(
+        kernel, *operands, name="gdp_chunk_h_bwd_epilogue", grid=(heads, num_chunks, batch),
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        num_warps=sizes.epilogue_warps, num_stages=1, interpret=interpret)
     flat = lambda x, width: x.reshape(batch, t_pad * m, heads, x.shape[-1])[:, :positions, :, :width]
-    dk, dw = flat(outs[0], key_dim), flat(outs[1], key_dim)
+    dk, dw = flat(dk, key_dim), flat(dw, key_dim)
     dg = None
     if g is not None:
-        dgamma = outs[2]
         dg = dgamma[:, :tokens].at[:, -1].add(dgamma[:, tokens:].sum(axis=1))   # edge padding
     dinit = None if dinit is None else dinit[..., :key_dim, :value_dim]
     return dk, dw, dvt[:, :positions, :, :value_dim], dg, dinit

@@ -1,4 +1,4 @@
-"""Stage 3 of Gated DeltaProduct: walk the chunks of each row in order, carrying the state.
+"""Stage 3 of Gated DeltaProduct in jnp: walk the chunks of each row in order, carrying the state.
 
 For chunk c (first token c0, last position of the chunk ``last``; padding repeats the last real
 token's decay and run so it changes nothing), with w and u from stage 2:
@@ -13,10 +13,9 @@ token's decay and run so it changes nothing), with w and u from stage 2:
 
 and the final state is the state out of the last chunk: the state after each row's last token.
 
-Gradients: ``chunk_h_xla`` is differentiated by plain autodiff (implementation="xla"). The GPU
-path's walk (chunk_h_pallas.py) gets its VJP from the kernels of chunk_h_bwd_pallas.py (whose
-docstring derives it), called by chunk.py's custom_vjp with the state before every sub-chunk and
-the padded v_new that its forward rule saves.
+Gradients: ``chunk_h_xla`` is differentiated by plain autodiff (implementation="xla"). The Pallas
+walk (``pallas_fwd.py``) gets its VJP from the kernels of ``pallas_bwd.py``, whose docstring
+derives it.
 """
 from __future__ import annotations
 
@@ -25,10 +24,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from gdp_jax._chunking import expand, from_chunks, to_chunks
-from gdp_jax.wy import chunk_decays
-
-_HIGHEST = jax.lax.Precision.HIGHEST
+from gdp_jax._src.layout import chunk_decays, expand, from_chunks, to_chunks
+from gdp_jax._src.pallas import HIGHEST as _HIGHEST
 
 
 def chunk_h_xla(k, w, u, g, runs, initial_state: Optional[jax.Array], *, chunk_size: int,

@@ -1,4 +1,4 @@
-"""Pallas kernel (Triton lowering): the exact VJP of the WY stage on sub-chunks (wy_pallas.py).
+"""Pallas kernel (Triton lowering): the exact VJP of the WY stage on sub-chunks (``wy.pallas_fwd``).
 
 Forward, per batch row, head and sub-chunk of S positions (S in {16, 32, 64}; see wy_pallas.py):
 
@@ -7,8 +7,8 @@ Forward, per batch row, head and sub-chunk of S positions (S in {16, 32, 64}; se
     live_j  = [run_j == run_first]        (run_first: the run of the sub-chunk's first position)
     T = (I + A)^{-1},   Rw = beta live 2^gamma k,   Ru = beta v,   w = T Rw,   u = T Ru.
 
-This is wy.wy_xla(k, v, beta, gamma, runs, chunk_size=S, num_householder=1) when gamma holds the
-sub-chunk-local cumulative log2 decays (wy_pallas.expanded_log2_decays): with P a multiple of S,
+This is ``wy.xla.wy_xla(k, v, beta, gamma, runs, chunk_size=S, num_householder=1)`` when gamma holds
+the sub-chunk-local cumulative log2 decays (``cumsum.expanded_log2_decays``): with P a multiple of S,
 wy_xla's edge padding never applies. Without gamma, D is the mask itself; without runs, every
 position is live and the mask is i < j.
 
@@ -36,7 +36,7 @@ P2 = F^T (beta K), the terms through A are dk = beta P1 + P2, dbeta_j += k_j·P1
 sum_i Z_ji = beta_j k_j·P1_j, sum_j Z_ji = k_i·P2_i, so one pass over the key columns gives them
 all. Nothing divides by beta (padding positions have beta = 0).
 
-Kernel structure. The inverse T is the forward kernel's own (wy_pallas(..., return_inverse=True)
+Kernel structure. The inverse T is the forward kernel's own (``wy_pallas(..., return_inverse=True)``
 keeps it, float32, as [B, P, H, S]: row j holds T[j, :] of its sub-chunk), so nothing serial is
 redone here and every step is a whole-tile dot on tensor cores. Per program (one sub-chunk):
 
@@ -46,42 +46,40 @@ redone here and every step is a whole-tile dot on tensor cores. Per program (one
   4. key columns again: dRw = T^T dw, P1 = F K, P2 = F^T (beta K), dk, sums k·dRw, k·P1, k·P2;
      then dbeta and dgamma.
 
-Every dot takes float32 operands at ``precision``: the op passes TF32 tensor-core dots (None)
-for 16-bit inputs, whose gradients are bf16-accurate at best, and HIGHEST (IEEE float32) for
-float32 inputs. The first version of this kernel rebuilt T from K by forward substitution and held
-every S x S matrix as 16 x 16 blocks in IEEE float32 to stay under 255 registers; it took 9.1 ms
-on an H200 at B=8 T=4096 H=16 K=V=128 M=2 (bf16), no faster than wy.wy_bwd_xla.
+Every dot takes float32 operands at ``precision`` (None: TF32 tensor cores; HIGHEST: IEEE float32),
+or, with ``operand_dtype``, operands rounded to that 16-bit dtype with float32 accumulation, as fla's
+WY backward does (``_src.dispatch.wy_bwd_dots`` picks per input dtype).
 
 Grid (H, sub-chunks, B), heads fastest; each program owns one sub-chunk and writes only its rows.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from gdp_jax._chunking import tile_width
-from gdp_jax._triton_warning import triton_backend_warning_filtered
-
-_HIGHEST = jax.lax.Precision.HIGHEST
-_LN2 = math.log(2.0)
+from gdp_jax._src.layout import tile_width
+from gdp_jax._src.pallas import HIGHEST, LN2, triton_call
 
 
-def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segments: bool,
-                   num_dk_in: int, precision, operand_dtype):
-    k_ref, v_ref, beta_ref, *refs = refs
-    gamma_ref = refs.pop(0) if has_g else None
-    runs_ref = refs.pop(0) if has_segments else None
-    inverse_ref, dw_ref, du_ref, *refs = refs
-    dk_in_refs, refs = refs[:num_dk_in], refs[num_dk_in:]
-    dk_ref, dv_ref, dbeta_ref, *refs = refs
-    dgamma_ref = refs.pop(0) if has_g else None
-    assert not refs
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Launch parameters of the WY backward (one program per sub-chunk); RESULTS.md, "WY backward"."""
+    block_cols: int = 64      # width of the column blocks the K and V passes step through
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_ref, du_ref,
+                   dk_in_refs, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *, sub_chunk: int,
+                   block_cols: int, precision, operand_dtype):
     f32 = jnp.float32
+    has_g, has_segments = gamma_ref is not None, runs_ref is not None
     if operand_dtype is None:
         dot = functools.partial(plgpu.dot, precision=precision)
     else:   # 16-bit operands (float32 accumulation): T, M, F and the scaled tiles rounded once more
@@ -149,50 +147,39 @@ def _wy_bwd_kernel(*refs, sub_chunk: int, block_cols: int, has_g: bool, has_segm
     k_dot_drw, k_dot_p1, k_dot_p2 = column_loop(k_ref, key_block, (zeros, zeros, zeros))
     dbeta_ref[...] = k_dot_p1 + v_dot_dru + live_decay * k_dot_drw
     if has_g:
-        dgamma_ref[...] = _LN2 * (beta * k_dot_p1 - k_dot_p2 + scale_w * k_dot_drw)
+        dgamma_ref[...] = LN2 * (beta * k_dot_p1 - k_dot_p2 + scale_w * k_dot_drw)
 
 
-def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
-                  interpret: bool = False, num_warps: int = 4, num_stages: int = 1,
-                  block_cols: int = 64, precision=_HIGHEST, dk_accumulate=None,
-                  out_dtype=jnp.float32, operand_dtype=None):
+def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, precision=HIGHEST,
+                  operand_dtype=None, dk_accumulate: Sequence[jax.Array] = (),
+                  out_dtype=jnp.float32, interpret: bool = False,
+                  block_sizes: Optional[BlockSizes] = None):
     """(dk [B, P, H, K], dv [B, P, H, V], dbeta [B, P, H], dgamma [B, P, H] or None): the VJP of
     wy_pallas's (w, u) in (k, v, beta, gamma), given cotangents dw, du. dk and dv come in
-    ``out_dtype`` (float32 by default), dbeta and dgamma in float32.
+    ``out_dtype``, dbeta and dgamma in float32.
 
-    k [B, P, H, K], v [B, P, H, V] (one dtype: float32, bfloat16 or float16), beta [B, P, H];
-    gamma [B, P, H] sub-chunk-local log2 decays (``wy_pallas.expanded_log2_decays``) or None (then
-    dgamma is None); runs [B, P] int32 run numbers or None; inverse [B, P, H, S] the forward's
-    (I + A)^{-1} per sub-chunk (``wy_pallas(..., return_inverse=True)``; row j holds T[j, :]);
-    dw [B, P, H, K], du [B, P, H, V] in any float dtype. P must be a multiple of ``sub_chunk``
-    (16, 32 or 64); K and V powers of two >= 16 (the caller pads with zeros, as for wy_pallas).
+    k [B, P, H, K], v [B, P, H, V] (one dtype), beta [B, P, H]; gamma [B, P, H] sub-chunk-local
+    log2 decays or None (then dgamma is None); runs [B, P] int32 run numbers or None; inverse
+    [B, P, H, S] the forward's (I + A)^{-1} per sub-chunk (row j holds T[j, :]); dw [B, P, H, K],
+    du [B, P, H, V] in any float dtype. P must be a multiple of ``sub_chunk`` (16, 32 or 64); K and
+    V powers of two >= 16 (the caller pads with zeros, as for wy_pallas).
 
-    ``precision`` is that of every dot (float32 operands): HIGHEST is IEEE float32 (FMA loops on
-    the GPU), None lets Triton use TF32 tensor cores. ``operand_dtype`` (None, or bfloat16 /
-    float16) instead rounds every dot's operands to that dtype, float32 accumulation, as fla's
-    WY backward does (T, M = dw Rw^T + du Ru^T and F are then rounded once more each). The op
-    passes bfloat16 for bfloat16 inputs (with the output stage's dk share summed in too, 1.75 ->
-    1.12 ms on an H200 at B=8 T=4096 H=16 K=V=128 M=2). ``block_cols`` (a power of two >= 16) is the width of the column blocks the K and V
-    passes step through.
-
-    ``dk_accumulate`` ([B, P, H, K], any float dtype; a sequence of such arrays; or None) is added
-    to dk in float32 before it is rounded to ``out_dtype``: the op passes the state walk's and the
-    output stage's shares of dk, so neither the sum nor the cast costs a separate pass over HBM.
+    ``precision`` / ``operand_dtype``: the dots, see the module docstring. ``dk_accumulate``:
+    [B, P, H, K] arrays (any float dtype) added to dk in float32 before it is rounded to
+    ``out_dtype``, so that the op's other shares of dk cost no separate pass over HBM.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
+    sizes = block_sizes or BlockSizes()
     if sub_chunk not in (16, 32, 64) or positions % sub_chunk:
         raise ValueError(f"wy_bwd_pallas: sub_chunk must be 16, 32 or 64 and divide P = {positions}; "
                          f"got {sub_chunk}")
-    widths = dict(K=key_dim, V=value_dim, block_cols=block_cols)
+    widths = dict(K=key_dim, V=value_dim, block_cols=sizes.block_cols)
     if any(tile_width(n) != n for n in widths.values()):   # powers of two >= 16
         raise ValueError(f"wy_bwd_pallas: {widths} must all be powers of two >= 16")
     if v.dtype != k.dtype or dw.shape != k.shape or du.shape != v.shape:
         raise ValueError("wy_bwd_pallas: k and v must share a dtype, dw match k's shape, du v's")
-    if dk_accumulate is None:
-        dk_accumulate = ()
-    elif not isinstance(dk_accumulate, (tuple, list)):
-        dk_accumulate = (dk_accumulate,)
+    dk_accumulate = tuple(dk_accumulate)
     for extra in dk_accumulate:
         if extra.shape != k.shape:
             raise ValueError(f"wy_bwd_pallas: dk_accumulate must match k's shape {k.shape}; "
@@ -203,41 +190,22 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int,
     f32 = jnp.float32
     rows = lambda width: pl.BlockSpec((None, sub_chunk, None, width), lambda hd, s, b: (b, s, hd, 0))
     per_position = pl.BlockSpec((None, sub_chunk, None), lambda hd, s, b: (b, s, hd))
-    operands = [k, v, beta]
-    in_specs = [rows(key_dim), rows(value_dim), per_position]
-    if gamma is not None:
-        operands.append(gamma.astype(f32))
-        in_specs.append(per_position)
-    if runs is not None:
-        operands.append(runs.astype(jnp.int32))
-        in_specs.append(pl.BlockSpec((None, sub_chunk), lambda hd, s, b: (b, s)))
-    operands += [inverse, dw, du]
-    in_specs += [rows(sub_chunk), rows(key_dim), rows(value_dim)]
-    operands += list(dk_accumulate)
-    in_specs += [rows(key_dim)] * len(dk_accumulate)
-    out_shape = [jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
+    operands = (k, v, beta, None if gamma is None else gamma.astype(f32),
+                None if runs is None else runs.astype(jnp.int32), inverse, dw, du, dk_accumulate)
+    in_specs = (rows(key_dim), rows(value_dim), per_position,
+                None if gamma is None else per_position,
+                None if runs is None else pl.BlockSpec((None, sub_chunk), lambda hd, s, b: (b, s)),
+                rows(sub_chunk), rows(key_dim), rows(value_dim),
+                tuple(rows(key_dim) for _ in dk_accumulate))
+    out_shape = (jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),
-                 jax.ShapeDtypeStruct((batch, positions, heads), f32)]
-    out_specs = [rows(key_dim), rows(value_dim), per_position]
-    if gamma is not None:
-        out_shape.append(jax.ShapeDtypeStruct((batch, positions, heads), f32))
-        out_specs.append(per_position)
-    kernel = functools.partial(_wy_bwd_kernel, sub_chunk=sub_chunk, block_cols=block_cols,
-                               has_g=gamma is not None, has_segments=runs is not None,
-                               num_dk_in=len(dk_accumulate), precision=precision,
-                               operand_dtype=None if operand_dtype is None
-                               else jnp.dtype(operand_dtype))
-    call = pl.pallas_call(
-        kernel,
-        out_shape=tuple(out_shape),
-        grid=(heads, positions // sub_chunk, batch),
-        in_specs=in_specs,
-        out_specs=tuple(out_specs),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="gdp_wy_bwd",
-    )
-    with triton_backend_warning_filtered():
-        outs = call(*operands)
-    dk, dv, dbeta = outs[:3]
-    return dk, dv, dbeta, (outs[3] if gamma is not None else None)
+                 jax.ShapeDtypeStruct((batch, positions, heads), f32),
+                 None if gamma is None else jax.ShapeDtypeStruct((batch, positions, heads), f32))
+    out_specs = (rows(key_dim), rows(value_dim), per_position,
+                 None if gamma is None else per_position)
+    kernel = functools.partial(
+        _wy_bwd_kernel, sub_chunk=sub_chunk, block_cols=sizes.block_cols, precision=precision,
+        operand_dtype=None if operand_dtype is None else jnp.dtype(operand_dtype))
+    return triton_call(kernel, *operands, name="gdp_wy_bwd", grid=(heads, positions // sub_chunk, batch),
+                       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                       num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)

@@ -4,7 +4,7 @@ A segment is a maximal run of equal ids along T (SPEC, "Segments"): a new one st
 ``segment_ids[t] != segment_ids[t-1]``. Kernels never compare raw ids; they compare *run numbers*,
 the count of segment starts up to and including t. Run numbers are non-decreasing along T, so
 ``same(a, b)`` is ``run[a] == run[b]``, and ids that repeat non-adjacently are different segments.
-(The chunk_o forward kernel reads a form derived from them, ``segment_start_rows``.)
+The chunk_o kernels read a form derived from them, ``segment_start_rows``.
 """
 from __future__ import annotations
 
@@ -29,15 +29,11 @@ def segment_start_rows(runs: jax.Array, chunk_size: int) -> jax.Array:
     """[B, T] int32 run numbers -> [B, T] int32: the row within t's chunk where t's segment begins,
     0 if it began at or before the chunk's first row.
 
-    This is what the chunk_o kernels, forward and backward, read instead of the run numbers: since
-    runs never decrease, same(s, t) for s <= t in one chunk is ``s >= start_row[t]``, and the
-    segment live at the chunk's first token is the one with ``start_row[t] == 0``. Both need one
-    value per row only, where comparing run numbers needs them along the rows and along the
-    columns of the [BT, BT] scores, a second, scattered load in the compiled kernel. Measured on
-    an H200 (bf16, ~8 segments per row), packed over unpacked: forward (twelfth session, one
-    process) M = 1 +10.0 % -> +4.2 %, M = 3 +4.4 % -> +0.5 %, K = V = 256 +1.7 % -> +0.6 %, M = 2
-    -0.7 % -> -0.9 %; backward (thirteenth session, two cards) M = 1 +7.9 % -> +3.7 %, M = 2
-    +4.4 % -> +2.9 %, M = 3 +4.8 % -> +3.7 %.
+    The chunk_o kernels, forward and backward, read this instead of run numbers: since runs never
+    decrease, same(s, t) for s <= t in one chunk is ``s >= start_row[t]``, and the segment live at
+    the chunk's first token is the one with ``start_row[t] == 0``. Each mask then needs one value
+    per row, where run numbers need a second, scattered load along the score columns
+    (RESULTS.md, "Segments as start rows").
     """
     batch, tokens = runs.shape
     num_chunks = -(-tokens // chunk_size)

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IMPLEMENTATIONS = ("pallas", "xla", "interpret")
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 16, 128
 
 
@@ -70,19 +69,6 @@ def check_scale(scale: Any, key_dim: int) -> float:
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite; got {scale}")
     return value
-
-
-def resolve_implementation(implementation: Optional[str]) -> str:
-    """None -> "pallas" on a GPU backend, "xla" elsewhere; validates explicit choices.
-
-    "pallas" is not refused on a CPU host: lowering for CUDA there is legitimate (AOT, jax.export
-    with lowering_platforms=("cuda",)); compiled for the CPU it fails in Pallas itself ("Only
-    interpret mode is supported on CPU backend")."""
-    if implementation is None:
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}")
-    return implementation
 
 
 def infer_num_householder(num_householder: Any, q_tokens: int, k_positions: int) -> int:

@@ -1,0 +1,80 @@
+"""Array layouts shared by the stages: chunk views, tile widths, padding, l2norm.
+
+P below is the number of stream positions per token: 1 on the token stream, M on the expanded
+stream. Padding of a last partial chunk is zeros (``mode="constant"``) or a repeat of the last real
+token (``mode="edge"``: for decays and segment run numbers, so padding neither decays nor resets).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+L2NORM_EPS = 1e-6
+
+
+def to_chunks(x: jax.Array, chunk_size: int, per_token: int = 1, *, mode: str = "constant") -> jax.Array:
+    """[B, T*P, H, ...] -> [B, NT, H, BT*P, ...]; [B, T] (no head axis) -> [B, NT, BT*P]."""
+    batch, positions = x.shape[:2]
+    tokens = positions // per_token
+    num_chunks = -(-tokens // chunk_size)
+    pad = (num_chunks * chunk_size - tokens) * per_token
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode=mode)
+    x = x.reshape((batch, num_chunks, chunk_size * per_token) + x.shape[2:])
+    return jnp.moveaxis(x, 3, 2) if x.ndim >= 4 else x
+
+
+def from_chunks(x: jax.Array, positions: int) -> jax.Array:
+    """[B, NT, H, BT*P, ...] -> [B, T*P, H, ...] cut to ``positions`` = T*P."""
+    x = jnp.moveaxis(x, 2, 3)
+    x = x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+    return x[:, :positions]
+
+
+def expand(x: jax.Array, per_token: int, axis: int) -> jax.Array:
+    """Repeats each token's entry ``per_token`` times along ``axis`` (token -> expanded stream)."""
+    return jnp.repeat(x, per_token, axis=axis) if per_token > 1 else x
+
+
+def chunk_decays(g: Optional[jax.Array], runs: Optional[jax.Array], batch: int, tokens: int,
+                 heads: int, chunk_size: int):
+    """Per-chunk float32 decays [B, NT, H, BT] and int32 run numbers [B, NT, BT] of the jnp stages
+    (padding repeats the last real token: it neither decays nor starts a segment). None -> zeros."""
+    g = jnp.zeros((batch, tokens, heads), jnp.float32) if g is None else g.astype(jnp.float32)
+    runs = jnp.zeros((batch, tokens), jnp.int32) if runs is None else runs.astype(jnp.int32)
+    return to_chunks(g, chunk_size, mode="edge"), to_chunks(runs, chunk_size, mode="edge")
+
+
+def tile_width(n: int) -> int:
+    """The width the Pallas kernels give a K or V axis of size n: the next power of two, at least
+    16 (Triton's dot tile rule); the padding is zeros, which change no dot product."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def pad_last(x: jax.Array, width: int) -> jax.Array:
+    """Zero-pads the last axis to ``width``."""
+    extra = width - x.shape[-1]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)]) if extra else x
+
+
+def pad_state(x: jax.Array, key_width: int, value_width: int) -> jax.Array:
+    """Zero-pads a [..., K, V] state to [..., key_width, value_width]."""
+    extra = (key_width - x.shape[-2], value_width - x.shape[-1])
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra[0]), (0, extra[1])]) if any(extra) else x
+
+
+def stream_layout(x: jax.Array, padded_width: int, pad_tokens: int, num_householder: int) -> jax.Array:
+    """[B, T*M, H, X] -> [B, T + pad_tokens, M, H, padded_width]: zero rows past T and zero columns
+    past X, in x's dtype (a free reshape after the pad; the walk kernels upcast what they load)."""
+    batch, positions, heads, width = x.shape
+    m = num_householder
+    x = jnp.pad(x, ((0, 0), (0, pad_tokens * m), (0, 0), (0, padded_width - width)))
+    return x.reshape(batch, positions // m + pad_tokens, m, heads, padded_width)
+
+
+def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis, computed in float32, returned in x's dtype
+    (flash-linear-attention's formula)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)

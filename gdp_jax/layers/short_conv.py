@@ -1,0 +1,68 @@
+"""Causal depthwise short convolution with SiLU that never reads across a segment start (Flax NNX)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdp_jax._src.segments import segment_runs
+
+__all__ = ["ShortConvolution"]
+
+
+def _same_segment_taps(segment_ids: Optional[jax.Array], batch: int, tokens: int,
+                       width: int) -> jax.Array:
+    """[B, T, W] bool: tap i of token t reads token s = t - (W-1) + i; True when s >= 0 and s is in
+    t's segment (always True for s >= 0 when segment_ids is None)."""
+    if segment_ids is None:
+        runs = jnp.zeros((batch, tokens), jnp.int32)
+    else:
+        runs = segment_runs(jnp.asarray(segment_ids))
+    padded = jnp.concatenate([jnp.full((batch, width - 1), -1, jnp.int32), runs], axis=1)
+    src = jnp.stack([padded[:, i:i + tokens] for i in range(width)], axis=-1)  # [B, T, W]
+    return src == runs[..., None]
+
+
+class ShortConvolution(nnx.Module):
+    """Causal depthwise 1-D convolution over T followed by SiLU (fla's ShortConvolution).
+
+    Wraps ``nnx.Conv`` (``feature_group_count = channels``, no bias, ``VALID`` padding after an
+    explicit left pad of W-1 zeros). Kernel: [W, 1, C]; tap W-1 is the current token.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, *, rngs: nnx.Rngs,
+                 dtype=None, param_dtype=jnp.float32):
+        self.channels, self.kernel_size = channels, kernel_size
+        self.conv = nnx.Conv(channels, channels, kernel_size=(kernel_size,),
+                             feature_group_count=channels, padding="VALID", use_bias=False,
+                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        """x [B, T, C] -> silu(causal depthwise conv(x)) [B, T, C].
+
+        With segment_ids [B, T], taps whose source token lies in another segment read zero (as
+        if each segment were its own zero-padded sequence)."""
+        width = self.kernel_size
+        if segment_ids is None:
+            xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
+            return jax.nn.silu(self.conv(xp))
+        batch, tokens, _ = x.shape
+        mask = _same_segment_taps(segment_ids, batch, tokens, width)  # [B, T, W]
+        xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
+        windows = jnp.stack([xp[:, i:i + tokens] for i in range(width)], axis=2)  # [B, T, W, C]
+        windows = jnp.where(mask[..., None], windows, jnp.zeros((), x.dtype))
+        return jax.nn.silu(self._apply_windows(windows))
+
+    def _apply_windows(self, windows: jax.Array) -> jax.Array:
+        """windows [..., W, C] (oldest first) -> [..., C], the conv applied to each window."""
+        kernel = self.conv.kernel[...][:, 0, :]  # [W, C]
+        dtype = self.conv.dtype or jnp.result_type(windows.dtype, kernel.dtype)
+        return jnp.einsum("...wc,wc->...c", windows.astype(dtype), kernel.astype(dtype),
+                          precision=jax.lax.Precision.HIGHEST)
+
+    def step(self, x_t: jax.Array, conv_state: jax.Array):
+        """x_t [B, C], conv_state [B, W-1, C] -> (silu(conv) [B, C], new conv_state [B, W-1, C])."""
+        windows = jnp.concatenate([conv_state, x_t[:, None].astype(conv_state.dtype)], axis=1)
+        return jax.nn.silu(self._apply_windows(windows)), windows[:, 1:]

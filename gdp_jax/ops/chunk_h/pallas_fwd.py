@@ -1,0 +1,170 @@
+"""Pallas kernel (Triton lowering): stage 3 of Gated DeltaProduct, the chunk-state walk.
+
+One program owns one (value block, head, batch) and walks the row's chunks in order with a
+``lax.fori_loop``, carrying the [K, BV] float32 state in registers (``chunk_h.xla`` has the math):
+
+    h[c] = state (zeroed at a segment start exactly on c0, c > 0)
+    v_new[chunk] = u - w h[c]
+    state <- d h[c] + sum_j kd[j] v_new[j]^T
+
+The M Householder copies are read and written through a [B, T, M, H, *] view of the caller's
+[B, T*M, H, *] arrays (a free reshape), indexing the copy axis inside the kernel. The full op runs
+it on the sub-chunk grid of the expanded stream (``subchunks``, see ``chunk_h_pallas``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from gdp_jax._src.layout import pad_state, stream_layout, tile_width
+from gdp_jax._src.pallas import triton_call
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Launch parameters of the walk: one program per (value block, head, batch row). 64 value
+    columns and 4 warps (RESULTS.md, "State walk"); ``block_v`` None means min(V, 64)."""
+    block_v: Optional[int] = None
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def decay_and_run_operands(g, runs, pad_tokens: int):
+    """((g, runs), (g_spec, runs_spec)) for the walk kernels: g [B, T, H] and runs [B, T] edge-padded
+    by ``pad_tokens`` (padding neither decays nor starts a segment), float32 / int32, one whole row
+    per program of a (value block, head, batch) grid; None (with a None spec) where absent."""
+    if g is not None:
+        g = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, pad_tokens), (0, 0)), mode="edge")
+    if runs is not None:
+        runs = jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, pad_tokens)), mode="edge")
+    specs = (None if g is None else pl.BlockSpec((None, g.shape[1], None), lambda vb, hd, b: (b, 0, hd)),
+             None if runs is None else pl.BlockSpec((None, runs.shape[1]), lambda vb, hd, b: (b, 0)))
+    return (g, runs), specs
+
+
+def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, h_ref, v_new_ref, final_ref,
+                    h_every_ref, *, num_householder: int, chunk_size: int, num_chunks: int,
+                    subchunks: int, dot_dtype):
+    key_dim, block_v = h_ref.shape[-2], h_ref.shape[-1]
+    has_g, has_segments = g_ref is not None, runs_ref is not None
+    if h0_ref is not None:
+        state = h0_ref[...].astype(jnp.float32)
+    else:
+        state = jnp.zeros((key_dim, block_v), jnp.float32)
+
+    def one_chunk(c, state, h_index):
+        first = c * chunk_size
+        last = first + chunk_size - 1                   # padding repeats the last real token
+        rows = pl.ds(first, chunk_size)
+        if has_segments:
+            run = runs_ref[rows]                        # [BT] run numbers
+            run_first, run_last = runs_ref[first], runs_ref[last]
+            run_before = runs_ref[jnp.maximum(first - 1, 0)]
+            reset = (c > 0) & (run_first != run_before)
+            state = jnp.where(reset, 0.0, state)
+        if h_index is not None:
+            h_ref[h_index] = state.astype(h_ref.dtype)
+        if h_every_ref is not None:
+            h_every_ref[c] = state.astype(h_every_ref.dtype)
+        if has_g:
+            g = g_ref[rows]                             # [BT] chunk-local log2 decays
+            g_last = g_ref[last]
+            coeff = jnp.exp2(g_last - g)                # <= 1
+            carry_in = jnp.exp2(g_last)
+        else:
+            coeff = jnp.ones((chunk_size,), jnp.float32)
+            carry_in = jnp.float32(1.0)
+        if has_segments:
+            coeff = jnp.where(run == run_last, coeff, 0.0)          # only the last segment carries
+            carry_in = jnp.where(run_first == run_last, carry_in, 0.0)
+        update = jnp.zeros((key_dim, block_v), jnp.float32)
+        state_operand = state.astype(dot_dtype)
+        for m in range(num_householder):
+            w = w_ref[rows, m, :].astype(dot_dtype)                 # [BT, K]
+            u = u_ref[rows, m, :].astype(jnp.float32)               # [BT, BV]
+            v_new = u - plgpu.dot(w, state_operand)                 # [BT, BV] f32
+            v_new_ref[rows, m, :] = v_new.astype(v_new_ref.dtype)
+            # The decay weights scale v_new's rows ([BT, BV]) rather than k's ([BT, K]): same
+            # product, fewer multiplies, and k goes to the dot as loaded.
+            v_decayed = (v_new * coeff[:, None]).astype(dot_dtype)
+            k = k_ref[rows, m, :].astype(dot_dtype)
+            update += plgpu.dot(k, v_decayed, trans_a=True)         # [K, BV] f32
+        return carry_in * state + update
+
+    def one_stored_chunk(c, state):      # h is stored before the first of every `subchunks` chunks
+        for e in range(subchunks):
+            state = one_chunk(c * subchunks + e, state, c if e == 0 else None)
+        return state
+
+    final = jax.lax.fori_loop(0, num_chunks // subchunks, one_stored_chunk, state)
+    final_ref[...] = final.astype(final_ref.dtype)
+
+
+def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder: int,
+                   subchunks: int = 1, h_dtype=jnp.float32, v_new_dtype=jnp.float32,
+                   dot_dtype=jnp.float32, every_chunk_too: bool = False, interpret: bool = False,
+                   block_sizes: Optional[BlockSizes] = None):
+    """(h [B, NT, H, K, V] in ``h_dtype``, v_new [B, T*M, H, V] in ``v_new_dtype``, final_state
+    [B, H, K, V] float32); both dtypes default to float32.
+
+    Same arguments as ``chunk_h.xla.chunk_h_xla``: k, w [B, T*M, H, K]; u [B, T*M, H, V]; g [B, T, H]
+    chunk-local log2 decays or None; runs [B, T] int32 or None; initial_state [B, H, K, V] or None.
+    T is padded to a whole number of chunks (padding: zero keys, w and u; decays and runs repeat
+    the last token, so padding changes nothing) and K, V to Triton tile widths, cut back after.
+
+    ``subchunks`` > 1 is the full op's finer grid (``wy.pallas_fwd``): the arrays are the expanded
+    stream itself (num_householder 1, "tokens" = positions, chunk_size = the sub-chunk), the walk
+    takes sub-chunks, and h is stored only before every ``subchunks``-th one (the token-chunk
+    boundaries), so h has ceil(chunks / subchunks) entries. There g must already be sub-chunk-local
+    and padded to whole token chunks with zero gates, so fully padded sub-chunks do not decay the
+    final state. The state is carried in float32; ``dot_dtype`` is what the two dots' operands (w
+    and the state; k and the decayed v_new) are rounded to, with float32 accumulation.
+    ``every_chunk_too`` also returns the state before every chunk, [B, num_chunks, H, K, V] in
+    ``h_dtype``, as a fourth result (the full op's backward keeps it).
+    """
+    batch, positions, heads, key_dim = k.shape
+    value_dim = u.shape[-1]
+    m = num_householder
+    tokens = positions // m
+    num_chunks = -(-tokens // (chunk_size * subchunks)) * subchunks
+    pad_t = num_chunks * chunk_size - tokens
+    kp, vp = tile_width(key_dim), tile_width(value_dim)
+    f32 = jnp.float32
+    sizes = block_sizes or BlockSizes()
+    block_v = sizes.block_v or min(vp, 64)
+    t_pad = tokens + pad_t
+    key_stream = pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0))
+    value_stream = pl.BlockSpec((None, t_pad, m, None, block_v), lambda vb, hd, b: (b, 0, 0, hd, vb))
+    one_state = pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb))
+    (g_p, runs_p), (g_spec, runs_spec) = decay_and_run_operands(g, runs, pad_t)
+    h0 = None if initial_state is None else pad_state(initial_state.astype(f32), kp, vp)
+    operands = (stream_layout(k, kp, pad_t, m), stream_layout(w, kp, pad_t, m),
+                stream_layout(u, vp, pad_t, m), g_p, runs_p, h0)
+    in_specs = (key_stream, key_stream, value_stream, g_spec, runs_spec,
+                None if h0 is None else one_state)
+    states_spec = lambda count: pl.BlockSpec((None, count, None, kp, block_v),
+                                             lambda vb, hd, b: (b, 0, hd, 0, vb))
+    stored = num_chunks // subchunks
+    out_shape = (jax.ShapeDtypeStruct((batch, stored, heads, kp, vp), h_dtype),
+                 jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), v_new_dtype),
+                 jax.ShapeDtypeStruct((batch, heads, kp, vp), f32),
+                 jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), h_dtype)
+                 if every_chunk_too else None)
+    out_specs = (states_spec(stored), value_stream, one_state,
+                 states_spec(num_chunks) if every_chunk_too else None)
+    kernel = functools.partial(
+        _chunk_h_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
+        subchunks=subchunks, dot_dtype=jnp.dtype(dot_dtype))
+    h, v_new, final_state, h_every = triton_call(
+        kernel, *operands, name="gdp_chunk_h_fwd", grid=(vp // block_v, heads, batch),
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)
+    v_new = v_new.reshape(batch, t_pad * m, heads, vp)[:, :positions, :, :value_dim]
+    results = (h[..., :key_dim, :value_dim], v_new, final_state[..., :key_dim, :value_dim])
+    return results + (h_every[..., :key_dim, :value_dim],) if every_chunk_too else results

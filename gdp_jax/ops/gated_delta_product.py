@@ -1,0 +1,265 @@
+"""chunk_gated_delta_product: the full Gated DeltaProduct op, its stages composed in one place.
+
+    g_raw --(1) cumsum--> g (chunk-local log2 decays)
+    k, v, beta, g --(2) wy--> w, u                  (WY representation, v_new = u - w h)
+    k, w, u, g, initial_state --(3) chunk_h--> h, v_new, final_state
+    q, k, v_new, h, g --(4) chunk_o--> o
+
+implementation="xla" runs stages 1-3 in jnp (``states_jnp``; exact gradients by plain autodiff).
+"pallas" and "interpret" run stages 2-3 as Pallas kernels on a finer grid, sub-chunks of at most
+64 positions of the expanded stream (``states_pallas``), under one custom_vjp: its forward rule
+also keeps the state before every sub-chunk and the WY stage's inverses; its backward runs the
+walk's VJP kernels (``chunk_h.pallas_bwd``), then the WY stage's VJP (``wy.pallas_bwd``, or
+``wy.xla.wy_bwd_xla`` for compiled float32 inputs), then the VJP of the expanded decays in jnp.
+Both grids give SPEC's h, v_new and final state. Stage 4 runs under chunk_o's own custom_vjp.
+Which implementation and dtypes run is ``_src.dispatch``'s rule (docs/math.md has the math).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from gdp_jax._src import dispatch
+from gdp_jax._src import validation as val
+from gdp_jax._src.layout import l2norm, pad_state, tile_width
+from gdp_jax._src.segments import segment_runs
+from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas
+from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
+from gdp_jax.ops.chunk_h.xla import chunk_h_xla
+from gdp_jax.ops.chunk_o import chunk_o
+from gdp_jax.ops.cumsum import chunk_local_log2_cumsum, expanded_log2_decays, sub_chunk_size
+from gdp_jax.ops.wy.pallas_bwd import wy_bwd_pallas
+from gdp_jax.ops.wy.pallas_fwd import wy_pallas
+from gdp_jax.ops.wy.xla import wy_bwd_xla, wy_xla
+
+__all__ = ["chunk_gated_delta_product", "states_jnp", "states_pallas"]
+
+
+def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optional[jax.Array],
+                              beta: jax.Array, *, num_householder: Optional[int] = None,
+                              scale: Optional[float] = None,
+                              initial_state: Optional[jax.Array] = None,
+                              output_final_state: bool = False,
+                              segment_ids: Optional[jax.Array] = None,
+                              use_qk_l2norm: bool = False, chunk_size: int = 64,
+                              implementation: Optional[str] = None):
+    """Gated DeltaProduct (SPEC.md's recurrence) in chunked form.
+
+    Args:
+      q: [B, T, H, K] queries.
+      k: [B, T*M, H, K] keys on the Householder-expanded stream (position t*M + m is step m of t).
+      v: [B, T*M, H, V] values, same dtype as q and k.
+      g: [B, T, H] natural-log forget gate per token (<= 0), any float dtype, or None (no gating).
+      beta: [B, T*M, H] step sizes (in (0, 2) for a contracting update), any float dtype.
+      num_householder: M; inferred from k.shape[1] // T when None, checked when given.
+      scale: query scale, default K ** -0.5.
+      initial_state: [B, H, K, V] state before the first segment of each row, or None for zeros.
+      output_final_state: also return the state after each row's last token.
+      segment_ids: [B, T] integer packing ids or None; a new segment (state restarted at zero)
+        wherever the id changes. Not differentiable.
+      use_qk_l2norm: L2-normalise q and k (per position, eps 1e-6) inside the op; the gradient
+        flows through the normalisation.
+      chunk_size: power of two in [16, 128].
+      implementation: "pallas", "xla", "interpret" or None, as for chunk_gdp_fwd_o: "xla" is jnp
+        throughout; "pallas" (GPU) and "interpret" run the WY, state-walk and output stages as
+        Pallas kernels, forward and backward (compiled with float32 inputs, the WY stage's
+        backward is jnp: IEEE float32 dots in that kernel spill). Under "pallas", K or V above 256
+        run the jnp stages, and so does chunk_o where its kernels would not fit (see
+        chunk_gdp_fwd_o).
+
+    Returns:
+      (o, final_state): o [B, T, H, V] in v's dtype; final_state [B, H, K, V] float32, or None
+      unless output_final_state. Differentiable in q, k, v, g, beta and initial_state.
+    """
+    batch, tokens, heads, key_dim = val.check_float_array("q", q, 4, "B, T, H, K")
+    k_positions = val.check_float_array("k", k, 4, "B, T*M, H, K")[1]
+    value_dim = val.check_float_array("v", v, 4, "B, T*M, H, V")[3]
+    m = val.infer_num_householder(num_householder, tokens, k_positions)
+    chunk_size = val.check_chunk_size(chunk_size)
+    val.check_shape("k", k, (batch, tokens * m, heads, key_dim), "B, T*M, H, K")
+    val.check_shape("v", v, (batch, tokens * m, heads, value_dim), "B, T*M, H, V")
+    if g is not None:
+        val.check_float_shape("g", g, (batch, tokens, heads), "B, T, H")
+    val.check_float_shape("beta", beta, (batch, tokens * m, heads), "B, T*M, H")
+    if initial_state is not None:
+        val.check_float_shape("initial_state", initial_state, (batch, heads, key_dim, value_dim),
+                              "B, H, K, V")
+    if segment_ids is not None:
+        val.check_segment_ids(segment_ids, batch, tokens)
+    val.check_same_dtype(q=q, k=k, v=v)
+    output_final_state = val.check_bool("output_final_state", output_final_state)
+    use_qk_l2norm = val.check_bool("use_qk_l2norm", use_qk_l2norm)
+    scale = val.check_scale(scale, key_dim)
+    implementation = dispatch.resolve_implementation(implementation)
+
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))
+    g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
+    stage = dict(chunk_size=chunk_size, num_householder=m)
+    states = dispatch.states_implementation(implementation, q.dtype, key_dim, value_dim)
+    if states == "xla":
+        h, v_new, final_state = states_jnp(k, v, beta, g_log2, runs, initial_state, **stage)
+    else:
+        # g enters in float32, so its cotangent is rounded to g's dtype once (as on the xla path).
+        # k passes through _states (an identity output), so the output stage's share of dk
+        # arrives in _states' backward and is summed inside a kernel, not by XLA where k fans out.
+        g32 = None if g is None else g.astype(jnp.float32)
+        h, v_new, final_state, k = _states(k, v, beta, g32, runs, initial_state,
+                                           (chunk_size, m, states == "interpret"))
+    # The output stage takes v_new in the inputs' dtype (as fla does) and h in float32 (jnp path)
+    # or the inputs' dtype when 16-bit (Pallas path); it accumulates in float32 either way.
+    o = chunk_o(q, k, v_new.astype(v.dtype), h, g_log2, runs, scale=scale,
+                implementation=implementation, **stage)
+    return o, (final_state if output_final_state else None)
+
+
+def states_jnp(k, v, beta, g_log2, runs, initial_state, *, chunk_size: int, num_householder: int):
+    """Stages 2-3 in jnp: (h, v_new, final_state), float32. g_log2 [B, T, H] chunk-local log2
+    decays (stage 1) or None; runs [B, T] segment run numbers or None."""
+    stage = dict(chunk_size=chunk_size, num_householder=num_householder)
+    w, u = wy_xla(k, v, beta, g_log2, runs, **stage)
+    return chunk_h_xla(k, w, u, g_log2, runs, initial_state, **stage)
+
+
+def _sub_grid_operands(k, v, beta, g, runs, initial_state, chunk_size: int, m: int):
+    """The Pallas path's operands on the sub-chunk grid of the expanded stream: positions padded
+    to whole token chunks (zero keys, values and betas; runs repeat the last token), K and V to
+    tile widths. Returns (k_p, v_p, beta_p, gamma, runs_p, h0, sub) with gamma [B, P_pad, H]
+    float32 sub-chunk-local log2 decays (or None) and h0 [B, H, Kp, Vp] float32 (or None)."""
+    positions, key_dim = k.shape[1], k.shape[3]
+    value_dim = v.shape[-1]
+    tokens = positions // m
+    num_chunks = -(-tokens // chunk_size)
+    padded_positions = num_chunks * chunk_size * m
+    sub = sub_chunk_size(chunk_size)
+    kp, vp = tile_width(key_dim), tile_width(value_dim)
+    k_p, v_p = _pad_positions(k, padded_positions, kp), _pad_positions(v, padded_positions, vp)
+    beta_p = jnp.pad(beta, ((0, 0), (0, padded_positions - positions), (0, 0)))
+    gamma = None if g is None else expanded_log2_decays(g, m, padded_positions, sub)
+    runs_p = None
+    if runs is not None:
+        runs_p = jnp.pad(jnp.repeat(runs.astype(jnp.int32), m, axis=1),
+                         ((0, 0), (0, padded_positions - positions)), mode="edge")
+    h0 = None if initial_state is None else pad_state(initial_state.astype(jnp.float32), kp, vp)
+    return k_p, v_p, beta_p, gamma, runs_p, h0, sub
+
+
+def _pad_positions(x, padded_positions: int, width: int):
+    """[B, P, H, X] -> [B, padded_positions, H, width], zeros (one pad, one pass over HBM)."""
+    return jnp.pad(x, ((0, 0), (0, padded_positions - x.shape[1]), (0, 0), (0, width - x.shape[-1])))
+
+
+def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
+                  interpret: bool, every_sub_chunk: bool = False):
+    """Stages 1-3 on the sub-chunk grid with the Pallas kernels (forward only; the op wraps it in
+    a custom_vjp): (h, v_new, final_state).
+
+    k [B, T*M, H, K], v [B, T*M, H, V], beta [B, T*M, H]; g [B, T, H] natural-log gates (float32)
+    or None; runs [B, T] segment run numbers or None; initial_state [B, H, K, V] or None.
+    h [B, NT, H, K, V] comes in the inputs' dtype when it is 16-bit (float32 otherwise), v_new
+    [B, T*M, H, V] in v's dtype, final_state [B, H, K, V] float32.
+
+    ``every_sub_chunk`` (the custom_vjp's forward) also returns what the backward needs:
+    (h, v_new, final_state, (w, inverse, h_sub, v_new_p)), with w [B, P_pad, H, Kp], the WY
+    stage's inverses [B, P_pad, H, sub] float32 (None where the backward does not use them) and,
+    on the padded sub-chunk grid, the state before every sub-chunk h_sub [B, NS, H, Kp, Vp] and
+    v_new_p [B, P_pad, H, Vp].
+    """
+    positions, key_dim = k.shape[1], k.shape[3]
+    value_dim = v.shape[-1]
+    m = num_householder
+    k_p, v_p, beta_p, gamma, runs_p, h0, sub = _sub_grid_operands(
+        k, v, beta, g, runs, initial_state, chunk_size, m)
+    work_dtype = dispatch.work_dtype(k.dtype)
+    keep_inverse = every_sub_chunk and dispatch.wy_bwd_runs_kernel(k.dtype, interpret)
+    w, u, *inverse = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
+                               out_dtype=work_dtype, interpret=interpret,
+                               return_inverse=keep_inverse)
+    # The walk stores h at token-chunk boundaries and, for the backward, at every sub-chunk too
+    # (written by the kernel rather than sliced out after).
+    h, v_new, final_state, *h_sub = chunk_h_pallas(
+        k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
+        subchunks=chunk_size * m // sub, h_dtype=work_dtype, v_new_dtype=v.dtype,
+        dot_dtype=work_dtype, interpret=interpret, every_chunk_too=every_sub_chunk)
+    outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
+               final_state[..., :key_dim, :value_dim])
+    if every_sub_chunk:
+        return outputs + ((w, inverse[0] if inverse else None, h_sub[0], v_new),)
+    return outputs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _states(k, v, beta, g, runs, initial_state, config):
+    """(h, v_new, final_state, k): states_pallas's results, and k itself, so that the cotangent
+    of k's other use (the output stage) enters _states_bwd."""
+    chunk_size, m, interpret = config
+    return states_pallas(k, v, beta, g, runs, initial_state, chunk_size=chunk_size,
+                         num_householder=m, interpret=interpret) + (k,)
+
+
+def _states_fwd(k, v, beta, g, runs, initial_state, config):
+    chunk_size, m, interpret = config
+    h, v_new, final_state, saved = states_pallas(
+        k, v, beta, g, runs, initial_state, chunk_size=chunk_size, num_householder=m,
+        interpret=interpret, every_sub_chunk=True)
+    return (h, v_new, final_state, k), (k, v, beta, g, runs, initial_state, saved)
+
+
+def _states_bwd(config, residuals, cotangents):
+    """Reverse of states_pallas on the sub-chunk grid, exact:
+
+    1. the walk's VJP (``chunk_h_bwd_pallas``, from the saved h at every sub-chunk and v_new;
+       h's cotangent enters at token-chunk boundaries) -> dk, dw, du, dgamma, dh0;
+    2. the WY stage's VJP (w, u -> k, v, beta, gamma) per sub-chunk: ``wy_bwd_pallas`` from the
+       forward's inverses, or ``wy_bwd_xla`` (``dispatch.wy_bwd_runs_kernel``);
+    3. the VJP of the expanded decays (gamma <- g, a cumsum) in jnp.
+    The output stage's share of dk (the cotangent of the k passed through) and the walk's are
+    added to dk inside the WY VJP kernel, which also rounds dk and dv to the inputs' dtype, so
+    neither the sum nor the casts costs a pass over HBM.
+    """
+    k, v, beta, g, runs, initial_state, (w, inverse, h_sub, v_new_p) = residuals
+    chunk_size, m, interpret = config
+    dh, dv_new, dfinal, dk_through = cotangents
+    positions, key_dim = k.shape[1], k.shape[3]
+    value_dim = v.shape[-1]
+    k_p, v_p, beta_p, gamma, runs_p, _, sub = _sub_grid_operands(
+        k, v, beta, g, runs, None, chunk_size, m)
+    padded_positions, kp, vp = k_p.shape[1], k_p.shape[3], v_p.shape[3]
+    f32 = jnp.float32
+    # Cotangents stay in their dtype (16-bit h and v_new have 16-bit ones): the walk kernel
+    # upcasts its loads, where a float32 copy here would cost a pass over HBM each.
+    pad_positions = functools.partial(_pad_positions, padded_positions=padded_positions)
+    dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
+        k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh, kp, vp), pad_positions(dv_new, width=vp),
+        pad_state(dfinal, kp, vp), chunk_size=sub, num_householder=1,
+        with_initial_state=initial_state is not None, subchunks=chunk_size * m // sub,
+        dot_dtype=dispatch.walk_bwd_dot_dtype(k.dtype), interpret=interpret)
+    if inverse is not None:
+        precision, operand_dtype = dispatch.wy_bwd_dots(k.dtype)
+        wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
+                                 precision=precision, operand_dtype=operand_dtype,
+                                 dk_accumulate=(dk_walk, pad_positions(dk_through, width=kp)),
+                                 out_dtype=k.dtype, interpret=interpret)
+        dk_p = wy_grads[0]
+    else:
+        wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)
+        dk_p = dk_walk + wy_grads[0] + pad_positions(dk_through, width=kp).astype(f32)
+    dk = dk_p[:, :positions, :, :key_dim]
+    dv = wy_grads[1][:, :positions, :, :value_dim]
+    dbeta = wy_grads[2][:, :positions]
+    dg = None
+    if g is not None:
+        _, decay_vjp = jax.vjp(
+            lambda g: expanded_log2_decays(g, m, padded_positions, sub), g.astype(f32))
+        (dg,) = decay_vjp(dgamma_walk + wy_grads[3])
+    cast = lambda x, primal: None if primal is None else x.astype(primal.dtype)
+    dinit = None if dh0 is None else dh0[..., :key_dim, :value_dim]
+    return (cast(dk, k), cast(dv, v), cast(dbeta, beta), cast(dg, g), None,
+            cast(dinit, initial_state))
+
+
+_states.defvjp(_states_fwd, _states_bwd)

@@ -1,0 +1,182 @@
+"""Pallas kernel (Triton lowering): stage 2 of Gated DeltaProduct, the WY representation per sub-chunk.
+
+The GPU path solves the intra-chunk triangular system on *sub-chunks* of S positions of the expanded
+stream (S = min(chunk_size, 64), ``cumsum.sub_chunk_size``), not on whole token chunks of M*BT
+positions, so the system a program inverts is at most 64 x 64 whatever M is. The state walk
+(``chunk_h.pallas_fwd``, ``subchunks`` > 1) then steps
+through the sub-chunks in order and stores h only at token-chunk boundaries. This is the same recurrence
+with a finer chunk grid, so h, v_new and the final state are those of SPEC; only the intermediate w, u
+differ from ``wy.xla.wy_xla``'s (they are relative to the sub-chunk's start).
+
+Sub-chunk decays live on the expanded stream: the gate of token t acts just before its first copy, so
+position j = t*M + m carries log2(e) g_t when m = 0 and 0 otherwise; gamma_j is their cumulative sum from
+the sub-chunk's first position (``cumsum.expanded_log2_decays``). With live_j = [same(j, first position)] and
+
+    A[j, i] = beta_j 2^(gamma_j - gamma_i) (k_j·k_i)   for i < j in one segment, else 0   (S x S)
+
+the sub-chunk's corrected values are v_new = u - w h_in with
+
+    u = (I + A)^{-1} (beta v),        w = (I + A)^{-1} (beta live 2^gamma k).
+
+Inverse. (I + A)^{-1} is lower block-triangular over 16-row blocks. Each diagonal block is inverted by
+forward substitution (row i of T = e_i - sum_{c<i} A[i, c] T[c, :], 15 steps on a 16 x 16 tile, exact
+in float32), and the blocks below the diagonal follow from T_il = -T_ii sum_{l<=j<i} A_ij T_jl. The
+inverse is never formed at more than 16 x 16 granularity: w and u are accumulated block row by block
+row as sum_l T_il rhs_l.
+
+Precision, by input dtype (RESULTS.md, "Dtype rules of the full op"):
+
+| | float32 inputs | 16-bit inputs |
+|---|---|---|
+| gram blocks k_i k_l^T | IEEE float32 | 16-bit operands, float32 accumulation (exact products) |
+| diagonal blocks' substitution | float32 | float32 |
+| blocks of T below the diagonal | IEEE float32 (errors in T multiply every later value) | TF32 tensor-core dots (T is rounded to 16 bits before it is applied) |
+| applying T to the right-hand sides | IEEE float32 | T and the right-hand sides rounded to 16 bits, float32 accumulation, as fla does (w and u are stored in 16 bits) |
+
+Grid (H, sub-chunks, B), heads fastest; no program reads another's output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from gdp_jax._src.pallas import HIGHEST, triton_call
+
+_BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Launch parameters of the WY kernel (one program per sub-chunk). The program's serial part,
+    the 15 substitution steps, favours small programs: 2 warps (RESULTS.md, "WY kernel")."""
+    num_warps: int = 2
+    num_stages: int = 1
+
+
+def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref, *,
+               sub_chunk: int):
+    f32 = jnp.float32
+    sixteen_bit = jnp.dtype(k_ref.dtype).itemsize == 2
+    nb = sub_chunk // _BLOCK
+    gram_precision = None if sixteen_bit else HIGHEST
+    rows_of = lambda i: pl.ds(i * _BLOCK, _BLOCK)
+    has_g, has_segments = gamma_ref is not None, runs_ref is not None
+
+    beta = [beta_ref[rows_of(i)].astype(f32) for i in range(nb)]
+    gamma = [gamma_ref[rows_of(i)] for i in range(nb)] if has_g else None
+    run = [runs_ref[rows_of(i)] for i in range(nb)] if has_segments else None
+    keys = [k_ref[rows_of(i), :] for i in range(nb)]                      # inputs' dtype, [16, K]
+    r16 = jax.lax.broadcasted_iota(jnp.int32, (_BLOCK, _BLOCK), 0)
+    c16 = jax.lax.broadcasted_iota(jnp.int32, (_BLOCK, _BLOCK), 1)
+
+    def a_block(i, l):                        # A[rows of block i, columns of block l], l <= i
+        gram = plgpu.dot(keys[i], keys[l], trans_b=True, precision=gram_precision)   # [16, 16] f32
+        mask = (r16 > c16) if i == l else jnp.ones((_BLOCK, _BLOCK), bool)
+        if has_segments:
+            mask &= run[i][:, None] == run[l][None, :]
+        coeff = beta[i][:, None] * jnp.ones((1, _BLOCK), f32)
+        if has_g:  # mask the exponent first: above the diagonal it would be positive
+            coeff *= jnp.exp2(jnp.where(mask, gamma[i][:, None] - gamma[l][None, :], 0.0))
+        return jnp.where(mask, coeff * gram, 0.0)
+
+    a = {(i, l): a_block(i, l) for i in range(nb) for l in range(i + 1)}
+
+    # The nb diagonal blocks are substituted together, as one [nb, 16, 16] array: each step is one
+    # row extraction and one reduction for all blocks rather than one per block.
+    stacked = (nb, _BLOCK, _BLOCK)
+    block_of = jax.lax.broadcasted_iota(jnp.int32, stacked, 0)
+    r3 = jax.lax.broadcasted_iota(jnp.int32, stacked, 1)
+    c3 = jax.lax.broadcasted_iota(jnp.int32, stacked, 2)
+    a_diag = jnp.zeros(stacked, f32)
+    for i in range(nb):
+        a_diag = jnp.where(block_of == i, a[i, i][None, :, :], a_diag)
+
+    def substitute(step, t_diag):             # row `step` of every diagonal block's inverse
+        a_row = jnp.sum(jnp.where(r3 == step, a_diag, 0.0), axis=1)        # A_ii[step, :], [nb, 16]
+        new_row = -jnp.sum(a_row[:, :, None] * t_diag, axis=1)             # -sum_c A[step, c] T[c, :]
+        return t_diag + jnp.where(r3 == step, new_row[:, None, :], 0.0)
+
+    t_diag = jax.lax.fori_loop(1, _BLOCK, substitute, (r3 == c3).astype(f32))
+    t = {(i, i): jnp.sum(jnp.where(block_of == i, t_diag, 0.0), axis=0) for i in range(nb)}
+    hdot = functools.partial(plgpu.dot, precision=HIGHEST)
+    inverse_dot = functools.partial(plgpu.dot, precision=None) if sixteen_bit else hdot
+    for i in range(1, nb):
+        for l in range(i - 1, -1, -1):
+            acc = sum(inverse_dot(a[i, j], t[j, l]) for j in range(l, i))
+            t[i, l] = -inverse_dot(t[i, i], acc)
+    if inverse_ref is not None:   # T for the backward (wy.pallas_bwd), zero above the diagonal blocks
+        for i in range(nb):
+            for l in range(nb):
+                block = t[i, l] if l <= i else jnp.zeros((_BLOCK, _BLOCK), jnp.float32)
+                inverse_ref[rows_of(i), rows_of(l)] = block.astype(inverse_ref.dtype)
+
+    # Right-hand sides, block by block: beta v and beta live 2^gamma k.
+    if has_segments:
+        first_run = runs_ref[0]
+    for i in range(nb):
+        u_acc = None
+        w_acc = None
+        for l in range(i + 1):
+            scale_u = beta[l]
+            scale_w = beta[l]
+            if has_g:
+                scale_w = scale_w * jnp.exp2(gamma[l])
+            if has_segments:
+                scale_w = jnp.where(run[l] == first_run, scale_w, 0.0)
+            rhs_u = v_ref[rows_of(l), :].astype(f32) * scale_u[:, None]
+            rhs_w = keys[l].astype(f32) * scale_w[:, None]
+            if sixteen_bit:   # T and the right-hand sides rounded to the inputs' 16-bit dtype
+                t_il = t[i, l].astype(k_ref.dtype)
+                du = plgpu.dot(t_il, rhs_u.astype(k_ref.dtype))
+                dw = plgpu.dot(t_il, rhs_w.astype(k_ref.dtype))
+            else:
+                du = hdot(t[i, l], rhs_u)
+                dw = hdot(t[i, l], rhs_w)
+            u_acc = du if u_acc is None else u_acc + du
+            w_acc = dw if w_acc is None else w_acc + dw
+        u_ref[rows_of(i), :] = u_acc.astype(u_ref.dtype)
+        w_ref[rows_of(i), :] = w_acc.astype(w_ref.dtype)
+
+
+def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: bool = False,
+              return_inverse: bool = False, block_sizes: Optional[BlockSizes] = None):
+    """(w [B, P, H, K], u [B, P, H, V]) in ``out_dtype``, per sub-chunk of ``sub_chunk`` positions;
+    with ``return_inverse`` also T = (I + A)^{-1} [B, P, H, S] float32 (row j: T[j, :] of its
+    sub-chunk, zero above the diagonal), which the backward (``wy.pallas_bwd``) reuses.
+
+    k [B, P, H, K], v [B, P, H, V] (one dtype: float32, bfloat16 or float16), beta [B, P, H];
+    gamma [B, P, H] float32 sub-chunk-local log2 decays (``cumsum.expanded_log2_decays``) or None;
+    runs [B, P] int32 run numbers per position or None. P must be a multiple of ``sub_chunk`` (a
+    multiple of 16, at most 64) and K, V powers of two >= 16: the caller pads (zero keys, values and
+    betas; padding positions change nothing).
+    """
+    batch, positions, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    sizes = block_sizes or BlockSizes()
+    if positions % sub_chunk or sub_chunk % _BLOCK or sub_chunk > 64:
+        raise ValueError(f"wy_pallas: positions {positions} must be a multiple of sub_chunk {sub_chunk}, "
+                         f"itself a multiple of {_BLOCK} and at most 64")
+    rows = lambda width: pl.BlockSpec((None, sub_chunk, None, width), lambda hd, s, b: (b, s, hd, 0))
+    per_position = pl.BlockSpec((None, sub_chunk, None), lambda hd, s, b: (b, s, hd))
+    operands = (k, v, beta, None if gamma is None else gamma.astype(jnp.float32),
+                None if runs is None else runs.astype(jnp.int32))
+    in_specs = (rows(key_dim), rows(value_dim), per_position,
+                None if gamma is None else per_position,
+                None if runs is None else pl.BlockSpec((None, sub_chunk), lambda hd, s, b: (b, s)))
+    out_shape = (jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
+                 jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),
+                 jax.ShapeDtypeStruct((batch, positions, heads, sub_chunk), jnp.float32)
+                 if return_inverse else None)
+    out_specs = (rows(key_dim), rows(value_dim), rows(sub_chunk) if return_inverse else None)
+    w, u, inverse = triton_call(
+        functools.partial(_wy_kernel, sub_chunk=sub_chunk), *operands, name="gdp_wy_fwd",
+        grid=(heads, positions // sub_chunk, batch), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, num_warps=sizes.num_warps, num_stages=sizes.num_stages,
+        interpret=interpret)
+    return (w, u, inverse) if return_inverse else (w, u)

@@ -1,6 +1,6 @@
 """Pallas kernel (Triton lowering): the exact VJP of the WY stage on sub-chunks (``wy.pallas_fwd``).
 
-Forward, per batch row, head and sub-chunk of S positions (S in {16, 32, 64}; see wy_pallas.py):
+Forward, per batch row, head and sub-chunk of S positions (S in {16, 32, 64}; see ``wy.pallas_fwd``):
 
     A[j, i] = beta_j D[j, i] G[j, i],    G = K K^T (gram),
     D[j, i] = 2^(gamma_j - gamma_i) if i < j and run_i == run_j, else 0         (the mask)

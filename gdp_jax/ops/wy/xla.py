@@ -36,7 +36,7 @@ def wy_xla(k, v, beta, g, runs, *, chunk_size: int, num_householder: int):
     """w [B, T*M, H, K] and u [B, T*M, H, V] in float32 (see the module docstring).
 
     k [B, T*M, H, K], v [B, T*M, H, V], beta [B, T*M, H]; g [B, T, H] chunk-local log2 decays or
-    None; runs [B, T] int32 segment run numbers (gdp_jax.segments.segment_runs) or None.
+    None; runs [B, T] int32 segment run numbers (``_src.segments.segment_runs``) or None.
     """
     batch, positions, heads, _ = k.shape
     m = num_householder

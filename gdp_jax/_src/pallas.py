@@ -66,14 +66,14 @@ def chunk_weights(g, start_row, chunk_size: int, row_valid=None):
 
     g: [BT] float32 chunk-local log2 decays, or None. start_row: [BT] int32, the row where each
     token's segment begins within the chunk (``segments.segment_start_rows``), or None.
-    row_valid: [BT] bool, or None; when given, pairs with a padding row t are masked too, so
-    2^(g[t] - g[s]) is never formed there (a padding row has g = 0).
+    row_valid: [BT] bool, or None; when given, pairs with a padding row t are masked too.
 
     Returns (row_weight, pair_mask, pair_weight):
       row_weight  [BT] f32 = [same(t, c0)] 2^g[t], the carried state's weight; None when all ones.
       pair_mask   [BT, BT] bool = [s <= t, same(s, t)] (and t real).
-      pair_weight [BT, BT] f32 = pair_mask 2^(g[t] - g[s]), the exponent masked before exp2 so
-                  no inf appears; None without g (the mask alone is the weight).
+      pair_weight [BT, BT] f32 = pair_mask 2^(g[t] - g[s]); None without g (the mask alone is
+                  the weight). Outside the mask 2^(g[t] - g[s]) may overflow (s > t, or a padding
+                  row, whose g is 0); the select replaces it by 0 before any product sees it.
     """
     t_ids = jax.lax.broadcasted_iota(jnp.int32, (chunk_size, chunk_size), 0)
     s_ids = jax.lax.broadcasted_iota(jnp.int32, (chunk_size, chunk_size), 1)
@@ -88,8 +88,7 @@ def chunk_weights(g, start_row, chunk_size: int, row_valid=None):
                       else jnp.where(live_at_c0, row_weight, 0.0))
     pair_weight = None
     if g is not None:
-        exponent = jnp.where(pair_mask, g[:, None] - g[None, :], 0.0)
-        pair_weight = jnp.where(pair_mask, jnp.exp2(exponent), 0.0)
+        pair_weight = jnp.where(pair_mask, jnp.exp2(g[:, None] - g[None, :]), 0.0)
     return row_weight, pair_mask, pair_weight
 
 

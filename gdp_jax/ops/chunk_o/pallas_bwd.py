@@ -63,9 +63,9 @@ are viewed as [B, T, M, H, *] (a free reshape): a program's block is [BT, M, wid
 program owns exactly one block of each output).
 
 The last chunk may be partial: rows past T load zeros (start row 0) and are never stored, and
-the pair mask also requires row t to be real, so 2^(g[t]-g[s]) is only ever formed for real pairs with
-s <= t (the exponent is masked before exp2: a padding row has g = 0 and 2^(0 - g[s]) could overflow,
-and inf * 0 would leak NaN into real columns of dv and dk).
+the pair mask also requires row t to be real, so P is nonzero only for real pairs with s <= t (a
+padding row has g = 0 and 2^(0 - g[s]) could overflow; the mask's select drops it before any
+product, so no inf * 0 leaks NaN into real columns of dv and dk).
 
 The split kernel divides one chunk's work among three programs, launched side by side (grid
 (3, H, NT, B), the role fastest) so their common inputs come from L2 rather than HBM:

@@ -35,7 +35,7 @@ from gdp_jax.ops.wy.pallas_bwd import wy_bwd_pallas
 from gdp_jax.ops.wy.pallas_fwd import wy_pallas
 from gdp_jax.ops.wy.xla import wy_bwd_xla, wy_xla
 
-__all__ = ["chunk_gated_delta_product", "states_jnp", "states_pallas"]
+__all__ = ["chunk_gated_delta_product", "chunk_states", "states_jnp", "states_pallas"]
 
 
 def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optional[jax.Array],
@@ -98,23 +98,40 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))
+    h, v_new, final_state, k = chunk_states(k, v, beta, g, runs, initial_state,
+                                            chunk_size=chunk_size, num_householder=m,
+                                            implementation=implementation)
     g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
-    stage = dict(chunk_size=chunk_size, num_householder=m)
-    states = dispatch.states_implementation(implementation, q.dtype, key_dim, value_dim)
-    if states == "xla":
-        h, v_new, final_state = states_jnp(k, v, beta, g_log2, runs, initial_state, **stage)
-    else:
-        # g enters in float32, so its cotangent is rounded to g's dtype once (as on the xla path).
-        # k passes through _states (an identity output), so the output stage's share of dk
-        # arrives in _states' backward and is summed inside a kernel, not by XLA where k fans out.
-        g32 = None if g is None else g.astype(jnp.float32)
-        h, v_new, final_state, k = _states(k, v, beta, g32, runs, initial_state,
-                                           (chunk_size, m, states == "interpret"))
     # The output stage takes v_new in the inputs' dtype (as fla does) and h in float32 (jnp path)
     # or the inputs' dtype when 16-bit (Pallas path); it accumulates in float32 either way.
     o = chunk_o(q, k, v_new.astype(v.dtype), h, g_log2, runs, scale=scale,
-                implementation=implementation, **stage)
+                chunk_size=chunk_size, num_householder=m, implementation=implementation)
     return o, (final_state if output_final_state else None)
+
+
+def chunk_states(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
+                 implementation: str):
+    """Stages 1-3 for checked inputs, differentiable: (h, v_new, final_state, k).
+
+    k [B, T*M, H, K], v [B, T*M, H, V], beta [B, T*M, H]; g [B, T, H] natural-log gates or None;
+    runs [B, T] segment run numbers (``segments.segment_runs``) or None; initial_state
+    [B, H, K, V] or None; ``implementation`` resolved ("xla", "pallas" or "interpret"; the
+    dispatch rule may still pick the jnp stages). h [B, NT, H, K, V], v_new [B, T*M, H, V] and
+    final_state [B, H, K, V] as ``states_pallas`` or ``states_jnp`` give them.
+
+    k comes back unchanged: pass it on to ``chunk_o``. On the Pallas path it is an output of the
+    stages' custom_vjp, so the output stage's share of dk arrives in that VJP and is summed inside
+    a kernel, not by XLA where k fans out.
+    """
+    stage = dict(chunk_size=chunk_size, num_householder=num_householder)
+    states = dispatch.states_implementation(implementation, k.dtype, k.shape[-1], v.shape[-1])
+    if states == "xla":
+        g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
+        return states_jnp(k, v, beta, g_log2, runs, initial_state, **stage) + (k,)
+    # g enters in float32, so its cotangent is rounded to g's dtype once (as on the xla path).
+    g32 = None if g is None else g.astype(jnp.float32)
+    return _states(k, v, beta, g32, runs, initial_state,
+                   (chunk_size, num_householder, states == "interpret"))
 
 
 def states_jnp(k, v, beta, g_log2, runs, initial_state, *, chunk_size: int, num_householder: int):

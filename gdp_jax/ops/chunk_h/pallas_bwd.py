@@ -58,8 +58,9 @@ are a real inner ``lax.fori_loop`` (dynamic index on the copy axis), not unrolle
 copy gets its own load/store sites whose address tensors the compiler hoists out of the chunk loop
 and keeps live (more registers, spills). Dots take ``dot_dtype`` operands with float32
 accumulation: float32 (TF32 on the GPU) by default, bfloat16 in the op for bfloat16 inputs
-(``_src.dispatch.walk_bwd_dot_dtype``); dvt, dS and dw then pass through HBM in 16 bits too. Reset flags and chunk-end
-values come from reductions over the chunk's vectors, not scalar loads: runs never decrease along T,
+(``_src.dispatch.walk_bwd_dot_dtype``); dvt, dS and dw then pass through HBM in 16 bits too.
+Reset flags and chunk-end values come from reductions over the chunk's vectors, not scalar
+loads: runs never decrease along T,
 so run_first = min(run), run_last = max(run), and the reset between chunk c-1 and c is applied one
 iteration later (when chunk c-1's runs are loaded), comparing with chunk c's run_first carried in
 the loop. gamma_last is a masked sum of the chunk's gamma vector. Rows, K and V are padded like the

@@ -1,38 +1,58 @@
-"""The ops over a device mesh: batch (data parallel) and heads (tensor parallel), no gathers.
+"""The ops over a device mesh: batch (data parallel), heads (tensor parallel), tokens (context parallel).
 
 A Pallas call is opaque to XLA's SPMD partitioner: inside ``jax.jit`` with sharded inputs, XLA
 cannot split it, so it all-gathers every operand onto every device and runs the whole problem
 everywhere. The two wrappers here fix that with ``jax.shard_map``: each device runs the op (Pallas
-kernels, jnp path or interpreter, and their custom_vjps) on its own block of rows and heads, and the
-operands keep the layout they already have (``b`` = ``batch_axis``, ``hd`` = ``head_axis``).
+kernels, jnp path or interpreter, and their custom_vjps) on its own block of rows, heads and
+tokens, and the operands keep the layout they already have (``b`` = ``batch_axis``, ``hd`` =
+``head_axis``, ``tok`` = ``token_axis``; each may be None).
 
 ``sharded_chunk_gdp_fwd_o`` (the output stage, ``chunk_gdp_fwd_o``)::
 
-    q [B, T, H, K]      P(b, None, hd, None)
-    k [B, T*M, H, K]    P(b, None, hd, None)    (the M copies interleave on axis 1)
-    v [B, T*M, H, V]    P(b, None, hd, None)
-    h [B, NT, H, K, V]  P(b, None, hd, None, None)
-    g [B, T, H]         P(b, None, hd)
-    segment_ids [B, T]  P(b, None)              (replicated over head_axis)
-    o [B, T, H, V]      P(b, None, hd, None)
+    q [B, T, H, K]      P(b, tok, hd, None)
+    k [B, T*M, H, K]    P(b, tok, hd, None)     (the M copies interleave on axis 1)
+    v [B, T*M, H, V]    P(b, tok, hd, None)
+    h [B, NT, H, K, V]  P(b, tok, hd, None, None)
+    g [B, T, H]         P(b, tok, hd)
+    segment_ids [B, T]  P(b, tok)               (replicated over head_axis)
+    o [B, T, H, V]      P(b, tok, hd, None)
 
 ``sharded_chunk_gated_delta_product`` (the full op, ``chunk_gated_delta_product``)::
 
-    q [B, T, H, K]                P(b, None, hd, None)
-    k [B, T*M, H, K]              P(b, None, hd, None)
-    v [B, T*M, H, V]              P(b, None, hd, None)
-    g [B, T, H]                   P(b, None, hd)            (natural-log gate, or None)
-    beta [B, T*M, H]              P(b, None, hd)
-    segment_ids [B, T]            P(b, None)                (replicated over head_axis)
-    initial_state [B, H, K, V]    P(b, hd, None, None)
-    o [B, T, H, V]                P(b, None, hd, None)
+    q [B, T, H, K]                P(b, tok, hd, None)
+    k [B, T*M, H, K]              P(b, tok, hd, None)
+    v [B, T*M, H, V]              P(b, tok, hd, None)
+    g [B, T, H]                   P(b, tok, hd)             (natural-log gate, or None)
+    beta [B, T*M, H]              P(b, tok, hd)
+    segment_ids [B, T]            P(b, tok)                 (replicated over head_axis)
+    initial_state [B, H, K, V]    P(b, hd, None, None)      (replicated over token_axis)
+    o [B, T, H, V]                P(b, tok, hd, None)
     final_state [B, H, K, V]      P(b, hd, None, None)      (None unless output_final_state)
 
 Both ops are embarrassingly parallel over B and H (every row and head has its own state and its own
-scan over T), so the body needs no collective at all: when the inputs already carry these shardings
-(the usual case inside a jitted, Flax-sharded model), the compiled program has no all-gather,
-all-to-all or all-reduce around the op, forward or backward (``tests/test_sharding.py`` checks the
-compiled HLO).
+scan over T), so over ``batch_axis`` and ``head_axis`` the body needs no collective at all: when the
+inputs already carry these shardings (the usual case inside a jitted, Flax-sharded model), the
+compiled program has no all-gather, all-to-all or all-reduce around the op, forward or backward
+(``tests/test_sharding.py`` checks the compiled HLO).
+
+The token axis (context parallelism). With ``token_axis`` set, each of its n devices holds one
+contiguous block of T/n tokens (with the matching T*M/n positions and NT/n chunk states), and
+T/n must be a whole number of chunks (T a multiple of n * chunk_size; ``ValueError`` otherwise),
+so the blocks cut the global chunk grid at chunk boundaries:
+
+* ``sharded_chunk_gdp_fwd_o`` needs no communication at all: h is given per chunk, and every term
+  of a chunk's output lies in the chunk.
+* ``sharded_chunk_gated_delta_product`` runs ``gdp_jax.context_parallel``: one local pass of the
+  WY and walk stages per block gives the block's zero-start states and the linear map of its
+  entering state (an affine summary S_out = A S_in + S0, A [K, K]); the devices exchange only these
+  summaries (an all_gather of B*H*K*(K+V) float32 per device, plus one int32 pair per row for
+  segments that start exactly on a block edge), combine them in order, and finish their blocks
+  from the true entering states without a second walk (the output stage runs once on the local
+  pass' outputs, which it is linear in). Segments may cross or touch block edges;
+  initial_state enters the first block and final_state leaves the last. The backward is context
+  parallel too (the all_gather transposes to a reduce-scatter of the summaries' cotangents). No
+  collective of the compiled program, forward or backward, moves an operand of size O(T)
+  (``tests/test_context_parallel.py`` checks every collective's operand in the HLO).
 
 Why shard_map and not ``jax.experimental.custom_partitioning``:
 
@@ -48,16 +68,15 @@ Why shard_map and not ``jax.experimental.custom_partitioning``:
 * Flax. Flax's sharding annotations (``nn.with_partitioning``, ``nn.with_logical_constraint``) put
   NamedShardings on parameters and activations; shard_map consumes exactly those layouts inside
   ``jit``, and composes with ``jit``, ``grad`` and ``remat`` like any jnp function.
-  The one cost is that the caller names the mesh axes (``batch_axis``, ``head_axis``); with
+  The one cost is that the caller names the mesh axes (``batch_axis``, ``head_axis``,
+  ``token_axis``); with
   logical axis rules, translate them with ``flax.linen.logical_to_mesh_axes``.
 
-The token axis T is never sharded: the chunk-boundary states h come from a sequential scan over T in
-the full operator, and these wrappers keep T whole on each device. Asking for it (``token_axis=...``)
-raises ``ValueError``. If the inputs arrive sharded over T anyway (sequence-parallel activations),
-XLA reshards them at the shard_map boundary to the layouts above: an all-gather over the T axis,
-moving (n-1)/n of each operand's per-device bytes on an n-way T sharding. Mesh axes named in neither
-``batch_axis`` nor ``head_axis`` see the operands replicated and compute the same result on each
-device (correct, not faster).
+Without ``token_axis``, T is whole on each device: inputs that arrive sharded over T
+(sequence-parallel activations) are resharded by XLA at the shard_map boundary, an all-gather over
+T moving (n-1)/n of each operand's per-device bytes on an n-way T sharding; name that mesh axis in
+``token_axis`` instead. Mesh axes named in none of ``batch_axis``, ``head_axis`` and ``token_axis``
+see the operands replicated and compute the same result on each device (correct, not faster).
 """
 from __future__ import annotations
 
@@ -69,6 +88,7 @@ from jax.sharding import PartitionSpec as P
 
 from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
+from gdp_jax.context_parallel import context_parallel_gdp
 from gdp_jax.ops.chunk_o import chunk_gdp_fwd_o
 from gdp_jax.ops.gated_delta_product import chunk_gated_delta_product
 
@@ -76,7 +96,11 @@ AxisSpec = Union[None, str, Sequence[str]]
 
 # check_vma=False: pallas_call's out_shape carries no varying-mesh-axes annotation, which
 # check_vma=True demands; correctness does not rest on it, because every output block is computed
-# from the matching input blocks only and out_specs says exactly that.
+# from the matching input blocks only and out_specs says exactly that. The one exception is the
+# context-parallel final_state, replicated over token_axis: every device computes the same value
+# from the all-gathered summaries, and without vma shard_map's transpose divides its cotangent by
+# the axis size and psums the cotangents of inputs replicated over the axis (initial_state), which
+# is exactly right for a value computed identically on every device (the tests check the gradients).
 # axis_names: only the axes we shard over are manual. Mesh axes the op is replicated over stay
 # automatic, so XLA keeps them replicated in the backward too; with every axis manual (and no vma
 # tracking) shard_map's transpose would all-reduce the input cotangents over them instead.
@@ -98,36 +122,42 @@ def sharded_chunk_gdp_fwd_o(q: jax.Array, k: jax.Array, v: jax.Array, h: jax.Arr
                             batch_axis: AxisSpec = "data", head_axis: AxisSpec = None,
                             token_axis: AxisSpec = None, segment_ids: Optional[jax.Array] = None,
                             **op_kwargs) -> jax.Array:
-    """``chunk_gdp_fwd_o`` with B sharded over ``batch_axis`` and H over ``head_axis`` of ``mesh``.
+    """``chunk_gdp_fwd_o`` with B sharded over ``batch_axis``, H over ``head_axis`` and T over
+    ``token_axis`` of ``mesh``.
 
     Equal to ``chunk_gdp_fwd_o(q, k, v, h, g, segment_ids=segment_ids, **op_kwargs)`` (the same
-    numbers: each device runs the op on its rows and heads), differentiable the same way, and
-    usable inside or outside ``jax.jit``. See the module docstring for the layouts.
+    numbers: each device runs the op on its rows, heads and chunks, with no communication),
+    differentiable the same way, and usable inside or outside ``jax.jit``. See the module
+    docstring for the layouts.
 
     Args:
       q, k, v, h, g, segment_ids: as for ``chunk_gdp_fwd_o`` (global shapes).
       mesh: a ``jax.sharding.Mesh``; None uses the mesh set with ``jax.set_mesh``.
       batch_axis: mesh axis name (or tuple of names, or None) to shard B over; B must divide evenly.
       head_axis: mesh axis name (or tuple, or None) to shard H over; H must divide evenly.
-      token_axis: must be None; T is never sharded (``ValueError`` otherwise, see module docstring).
+      token_axis: mesh axis name (or tuple, or None) to shard T over in contiguous blocks (and
+        T*M, and h's NT, alike); T must be a multiple of chunk_size times its shard count, so that
+        each block is a whole number of chunks.
       **op_kwargs: ``scale``, ``chunk_size``, ``num_householder``, ``implementation``, passed on.
 
     Returns:
-      o [B, T, H, V], sharded ``P(batch_axis, None, head_axis, None)`` over ``mesh``.
+      o [B, T, H, V], sharded ``P(batch_axis, token_axis, head_axis, None)`` over ``mesh``.
     """
     def op_with(kwargs):
         return lambda q_, k_, v_, h_, g_, seg_: chunk_gdp_fwd_o(q_, k_, v_, h_, g_,
                                                                 segment_ids=seg_, **kwargs)
 
-    mesh, b, hd, names = _prepare("chunk_gdp_fwd_o", op_with, (q, k, v, h, g, segment_ids), mesh,
-                                  batch_axis, head_axis, token_axis, op_kwargs,
-                                  {"scale", "chunk_size", "num_householder", "implementation"})
+    mesh, b, hd, tok, names = _prepare(
+        "chunk_gdp_fwd_o", op_with, (q, k, v, h, g, segment_ids), mesh, batch_axis, head_axis,
+        token_axis, op_kwargs, {"scale", "chunk_size", "num_householder", "implementation"})
     op = op_with(op_kwargs)
     if not names:  # nothing to shard over: the plain op, replicated by XLA
         return op(q, k, v, h, g, segment_ids)
-    specs = (P(b, None, hd, None), P(b, None, hd, None), P(b, None, hd, None),
-             P(b, None, hd, None, None), P(b, None, hd), P(b, None))
-    return _map_shards(op, (q, k, v, h, g, segment_ids), specs, P(b, None, hd, None), mesh, names)
+    # Token blocks are whole chunks (checked in _prepare): every term of a chunk's output lies in
+    # the chunk, so the plain op on each block is the block of the result.
+    specs = (P(b, tok, hd, None), P(b, tok, hd, None), P(b, tok, hd, None),
+             P(b, tok, hd, None, None), P(b, tok, hd), P(b, tok))
+    return _map_shards(op, (q, k, v, h, g, segment_ids), specs, P(b, tok, hd, None), mesh, names)
 
 
 def sharded_chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -137,25 +167,30 @@ def sharded_chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array,
                                       segment_ids: Optional[jax.Array] = None,
                                       initial_state: Optional[jax.Array] = None,
                                       output_final_state: bool = False, **op_kwargs):
-    """``chunk_gated_delta_product`` with B sharded over ``batch_axis`` and H over ``head_axis``.
+    """``chunk_gated_delta_product`` with B sharded over ``batch_axis``, H over ``head_axis`` and
+    T over ``token_axis`` (context parallelism).
 
     Equal to ``chunk_gated_delta_product(q, k, v, g, beta, segment_ids=segment_ids,
-    initial_state=initial_state, output_final_state=output_final_state, **op_kwargs)`` (each device
-    runs the full op, every stage and its custom_vjps, on its rows and heads), differentiable in q,
-    k, v, g, beta and initial_state the same way, and usable inside or outside ``jax.jit``. See the
-    module docstring for the layouts.
+    initial_state=initial_state, output_final_state=output_final_state, **op_kwargs)``,
+    differentiable in q, k, v, g, beta and initial_state the same way, and usable inside or outside
+    ``jax.jit``. Over B and H each device runs the full op (every stage and its custom_vjps) on its
+    rows and heads; over T each device runs ``gdp_jax.context_parallel.context_parallel_gdp`` on its
+    block, exchanging only per-block state summaries (module docstring). See the module docstring
+    for the layouts.
 
     Args:
       q, k, v, g, beta, segment_ids, initial_state, output_final_state: as for
-        ``chunk_gated_delta_product`` (global shapes).
-      mesh, batch_axis, head_axis, token_axis: as for ``sharded_chunk_gdp_fwd_o``.
+        ``chunk_gated_delta_product`` (global shapes). Segments may cross and start on block
+        edges; initial_state is the state before each row's first token (block 0).
+      mesh, batch_axis, head_axis, token_axis: as for ``sharded_chunk_gdp_fwd_o`` (T a multiple of
+        chunk_size times the shard count of token_axis).
       **op_kwargs: ``num_householder``, ``scale``, ``use_qk_l2norm``, ``chunk_size``,
         ``implementation``, passed on.
 
     Returns:
-      (o, final_state): o [B, T, H, V] sharded ``P(batch_axis, None, head_axis, None)``;
-      final_state [B, H, K, V] float32 sharded ``P(batch_axis, head_axis, None, None)``, or None
-      unless ``output_final_state``.
+      (o, final_state): o [B, T, H, V] sharded ``P(batch_axis, token_axis, head_axis, None)``;
+      final_state [B, H, K, V] float32 sharded ``P(batch_axis, head_axis, None, None)``
+      (replicated over token_axis), or None unless ``output_final_state``.
     """
     def op_with(kwargs):
         def op(q_, k_, v_, g_, beta_, seg_, state_):
@@ -165,15 +200,19 @@ def sharded_chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array,
         return op
 
     operands = (q, k, v, g, beta, segment_ids, initial_state)
-    mesh, b, hd, names = _prepare(
+    mesh, b, hd, tok, names = _prepare(
         "chunk_gated_delta_product", op_with, operands, mesh, batch_axis, head_axis, token_axis,
         op_kwargs, {"num_householder", "scale", "use_qk_l2norm", "chunk_size", "implementation"})
-    op = op_with(op_kwargs)
+    if tok is None:
+        op = op_with(op_kwargs)
+    else:
+        op = _context_parallel_op(q, k, _axis_names("token_axis", token_axis, mesh),
+                                  output_final_state, op_kwargs)
     if not names:  # nothing to shard over: the plain op, replicated by XLA
         return op(*operands)
-    specs = (P(b, None, hd, None), P(b, None, hd, None), P(b, None, hd, None), P(b, None, hd),
-             P(b, None, hd), P(b, None), P(b, hd, None, None))
-    o_spec, state_spec = P(b, None, hd, None), P(b, hd, None, None)
+    specs = (P(b, tok, hd, None), P(b, tok, hd, None), P(b, tok, hd, None), P(b, tok, hd),
+             P(b, tok, hd), P(b, tok), P(b, hd, None, None))
+    o_spec, state_spec = P(b, tok, hd, None), P(b, hd, None, None)
     if output_final_state:  # a bool: eval_shape in _prepare ran the op's check_bool
         return _map_shards(op, operands, specs, (o_spec, state_spec), mesh, names)
     # No final state: map the output alone (shard_map's out_specs cannot describe a None leaf).
@@ -181,37 +220,63 @@ def sharded_chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array,
     return o, None
 
 
+def _context_parallel_op(q, k, token_names, output_final_state, op_kwargs):
+    """The per-device body over a token axis: ``context_parallel_gdp`` with the op's keyword
+    arguments resolved as the op resolves them (already checked by _prepare on global shapes)."""
+    tokens, key_dim = np.shape(q)[1], np.shape(q)[3]
+    kwargs = dict(
+        token_axis=token_names, output_final_state=output_final_state,
+        scale=val.check_scale(op_kwargs.get("scale"), key_dim),
+        chunk_size=int(op_kwargs.get("chunk_size", 64)),
+        num_householder=np.shape(k)[1] // tokens,
+        use_qk_l2norm=bool(op_kwargs.get("use_qk_l2norm", False)),
+        implementation=dispatch.resolve_implementation(op_kwargs.get("implementation")))
+
+    def op(q_, k_, v_, g_, beta_, seg_, state_):
+        return context_parallel_gdp(q_, k_, v_, g_, beta_, seg_, state_, **kwargs)
+    return op
+
+
 def _prepare(op_name: str, op_with, operands, mesh, batch_axis, head_axis, token_axis, op_kwargs,
              allowed):
-    """The wrappers' shared argument handling, in order: token_axis, keyword names, mesh and axis
-    names, then the op's own checks on the GLOBAL shapes (so errors name the caller's shapes, not a
-    shard's), then B and H divisibility. ``op_with(kwargs)`` is the op with its keyword arguments
-    bound, taking ``operands``. Returns (mesh, batch spec entry, head spec entry, manual mesh axis
-    names)."""
-    if token_axis is not None:
-        raise ValueError(
-            f"token_axis={token_axis!r}: gdp_jax does not shard the token axis T. The chunk states h "
-            "come from a sequential scan over T, so each device must hold whole sequences; shard B "
-            "(batch_axis) and/or H (head_axis) instead. Inputs that arrive sharded over T are "
-            "all-gathered over T by XLA at the call (see gdp_jax.sharding's docstring for the cost).")
+    """The wrappers' shared argument handling, in order: keyword names, mesh and axis names, then
+    the op's own checks on the GLOBAL shapes (so errors name the caller's shapes, not a shard's),
+    then B, H and T divisibility. ``op_with(kwargs)`` is the op with its keyword arguments bound,
+    taking ``operands``. Returns (mesh, batch spec entry, head spec entry, token spec entry,
+    manual mesh axis names)."""
     unknown = set(op_kwargs) - set(allowed)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)} for {op_name}")
     mesh = _resolve_mesh(mesh)
-    batch_names = _axis_names("batch_axis", batch_axis, mesh)
-    head_names = _axis_names("head_axis", head_axis, mesh)
-    both = set(batch_names) & set(head_names)
-    if both:
-        raise ValueError(f"mesh axes {sorted(both)} are named in both batch_axis={batch_axis!r} and "
-                         f"head_axis={head_axis!r}; a mesh axis can shard only one array axis")
+    axes = {"batch_axis": batch_axis, "head_axis": head_axis, "token_axis": token_axis}
+    named = {arg: _axis_names(arg, axis, mesh) for arg, axis in axes.items()}
+    args = list(named)
+    for i, first in enumerate(args):
+        for second in args[i + 1:]:
+            both = set(named[first]) & set(named[second])
+            if both:
+                raise ValueError(
+                    f"mesh axes {sorted(both)} are named in both {first}={axes[first]!r} and "
+                    f"{second}={axes[second]!r}; a mesh axis can shard only one array axis")
     # eval_shape traces the jnp path abstractly (no compute, no kernel), running every check of the
     # op; the implementation name is checked separately since the trace forces "xla".
     dispatch.resolve_implementation(op_kwargs.get("implementation"))
     jax.eval_shape(op_with({**op_kwargs, "implementation": "xla"}), *operands)
-    batch, heads = np.shape(operands[0])[0], np.shape(operands[0])[2]
-    _check_divides("B", batch, "batch_axis", batch_names, mesh)
-    _check_divides("H", heads, "head_axis", head_names, mesh)
-    return mesh, _spec_entry(batch_names), _spec_entry(head_names), batch_names + head_names
+    batch, tokens, heads = (np.shape(operands[0])[i] for i in (0, 1, 2))
+    _check_divides("B", batch, "batch_axis", named["batch_axis"], mesh)
+    _check_divides("H", heads, "head_axis", named["head_axis"], mesh)
+    if named["token_axis"]:
+        chunk_size = int(op_kwargs.get("chunk_size", 64))     # checked by the op above
+        shards = int(np.prod([mesh.shape[n] for n in named["token_axis"]]))
+        if tokens % (shards * chunk_size):
+            raise ValueError(
+                f"T = {tokens} must be a multiple of chunk_size * (shards of token_axis="
+                f"{token_axis!r}) = {chunk_size} * {shards} = {chunk_size * shards}: each device "
+                "holds a contiguous block of T, a whole number of chunks (pad T, e.g. with one more "
+                "segment, or use a smaller chunk_size)")
+    names = named["batch_axis"] + named["head_axis"] + named["token_axis"]
+    return (mesh, _spec_entry(named["batch_axis"]), _spec_entry(named["head_axis"]),
+            _spec_entry(named["token_axis"]), names)
 
 
 def _map_shards(op, operands, specs, out_specs, mesh, names):
@@ -245,7 +310,10 @@ def _resolve_mesh(mesh):
 def _axis_names(arg: str, axis: AxisSpec, mesh) -> tuple[str, ...]:
     if axis is None:
         return ()
-    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    try:
+        names = (axis,) if isinstance(axis, str) else tuple(axis)
+    except TypeError:
+        names = (axis,)                     # not a name nor a sequence of names: refused below
     for name in names:
         if not isinstance(name, str):
             raise TypeError(f"{arg} must be a mesh axis name, a tuple of names or None; got {axis!r}")

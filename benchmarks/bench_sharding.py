@@ -15,7 +15,8 @@ Run on a 2-GPU box from the repo root:
 g, beta) (natural-log gate g, no initial state, o only; the backward differentiates q, k, v, g and
 beta). In both, fwd+bwd is jax.grad of sum(o**2).
 
-For each shape and layout (``data``: B split over N devices; ``model``: H split over N devices):
+Inputs: common.make_problems (op "chunk_o": q, k, v, h, g; op "full": q, k, v, g, beta), made on
+device 0. For each shape and layout (``data``: B split over N devices; ``model``: H split over N devices):
   * sharded   : the wrapper on the whole problem, inputs already laid out as it wants (jit);
   * local_1gpu: the plain op on ONE device on one device's share (B/N rows, or H/N heads): the ideal
                 per-device time. scaling efficiency = local_1gpu / sharded (1.0 = perfect);
@@ -23,20 +24,22 @@ For each shape and layout (``data``: B split over N devices; ``model``: H split 
   * unwrapped : the plain op under jit on the same sharded inputs (what issue 7 reports: XLA gathers
                 every operand to every device), with the all-gathers counted in its compiled HLO.
 The sharded program's compiled HLO is scanned too: "collectives" should be [] for the forward and
-for the backward. Times are wall clock over --iters back-to-back calls after block_until_ready,
-median of --reps loops. Nothing is asserted; failures are printed and the run goes on.
+for the backward. Times: common.time_jax (back-to-back calls for about --target-ms after
+block_until_ready, median of --reps loops). Nothing is asserted; failures are printed and the run
+goes on. The table is printed last, JSON at --out.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import re
-import statistics
 import sys
-import time
 import traceback
+
+
+from common import (add_dtype_arg, add_timing_args, fmt, log, make_problems,
+                    parse_shapes, print_table, run_meta, shape_label, short_exc, time_jax,
+                    write_json)
 
 SHAPE_SETS = {
     "default": [
@@ -51,28 +54,28 @@ SHAPE_SETS = {
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
 
 
-def parse_args():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--op", default="chunk_o", choices=["chunk_o", "full"],
                     help="chunk_o: sharded_chunk_gdp_fwd_o (default); full: the full op "
                          "sharded_chunk_gated_delta_product")
-    ap.add_argument("--shapes", default="default", help=f"one of {sorted(SHAPE_SETS)}")
+    ap.add_argument("--shapes", default="default",
+                    help=f"one of {sorted(SHAPE_SETS)} or 'B=..,T=..,H=..,K=..[,V=..],M=..;...'")
     ap.add_argument("--devices", type=int, default=2, help="GPUs to shard over (default 2)")
     ap.add_argument("--impl", default=None, help="implementation (default: pallas on GPU, xla on CPU)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    add_dtype_arg(ap)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--layouts", default="data,model", help="comma list of data, model")
     ap.add_argument("--no-grad", action="store_true", help="forward only")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=5)
+    add_timing_args(ap, sets=1, reps=5, target_ms=100.0, max_iters=100, copy_mb=None)
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="fake N CPU devices (XLA_FLAGS) to check the script without GPUs")
     ap.add_argument("--out", default=None, help="write results as JSON here")
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     if args.cpu_devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}")
@@ -83,41 +86,28 @@ def main():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import gdp_jax
-    from gdp_jax.sharding import sharded_chunk_gated_delta_product, sharded_chunk_gdp_fwd_o
+    from gdp_jax import sharded_chunk_gated_delta_product, sharded_chunk_gdp_fwd_o
 
     n = args.devices
     devices = jax.devices()
     if len(devices) < n:
         sys.exit(f"needs {n} devices, have {len(devices)}: {devices}")
     impl = args.impl or ("pallas" if jax.default_backend() == "gpu" else "xla")
-    dtype = getattr(jnp, args.dtype)
     bt = args.chunk_size
     mesh = Mesh(np.array(devices[:n]), ("x",))
-    info = dict(op=args.op, jax=jax.__version__, backend=jax.default_backend(), devices=[str(d) for d in devices[:n]],
-                device_kind=devices[0].device_kind, impl=impl, dtype=args.dtype, chunk_size=bt,
-                iters=args.iters, reps=args.reps)
-    print(json.dumps(info), flush=True)
+    meta = run_meta(args, op=args.op, backend=jax.default_backend(),
+                    devices=[str(d) for d in devices[:n]], impl=impl)
+    log(f"jax {meta['jax']} on {n} x {meta['device']}; op {args.op}; impl {impl}; dtype {args.dtype}")
+    timing = dict(target_s=args.target_ms / 1e3, reps=args.reps, max_iters=args.max_iters)
 
     def make_inputs(shape, device):
         """chunk_o: [q, k, v, h, g] (g chunk-local log2 cumsums); full: [q, k, v, g, beta]
-        (g the natural-log gate per token)."""
-        b, t, hh, kd, vd, m = (shape[c] for c in "BTHKVM")
-        nt = -(-t // bt)
-        key = jax.random.split(jax.random.PRNGKey(0), 5)
+        (g the natural-log gate per token); on ``device``."""
         with jax.default_device(device):
-            q = jax.random.normal(key[0], (b, t, hh, kd), dtype)
-            k = jax.random.normal(key[1], (b, t * m, hh, kd), jnp.float32)
-            k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype)
-            if args.op == "full":
-                v = jax.random.normal(key[2], (b, t * m, hh, vd)).astype(dtype)
-                g = -jax.nn.softplus(jax.random.normal(key[3], (b, t, hh))) * 0.1
-                beta = jax.random.uniform(key[4], (b, t * m, hh), jnp.float32, 0.05, 1.95)
-                return [q, k, v, g, beta]
-            v = (0.1 * jax.random.normal(key[2], (b, t * m, hh, vd))).astype(dtype)
-            h = (0.1 * jax.random.normal(key[3], (b, nt, hh, kd, vd))).astype(dtype)
-            gate = -jax.nn.softplus(jax.random.normal(key[4], (b, nt * bt, hh))) / math.log(2.0) * 0.1
-            g = jnp.cumsum(gate.reshape(b, nt, bt, hh), axis=2).reshape(b, nt * bt, hh)[:, :t]
-        return [q, k, v, h, g]
+            (p,) = make_problems(shape, op="chunk_o" if args.op == "chunk_o" else "full",
+                                 dtype=args.dtype, sets=1, chunk_size=bt)
+        arrays = [p.q, p.k, p.v, p.h, p.g] if args.op == "chunk_o" else [p.q, p.k, p.v, p.g, p.beta]
+        return [jax.device_put(x, device) for x in arrays]
 
     def specs(layout):
         b, hd = ("x", None) if layout == "data" else (None, "x")
@@ -137,16 +127,7 @@ def main():
                 lambda *a: gdp_jax.chunk_gdp_fwd_o(*a, **op_kw))
 
     def timed(fn, inputs):
-        out = fn(*inputs)
-        jax.block_until_ready(out)
-        runs = []
-        for _ in range(args.reps):
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                out = fn(*inputs)
-            jax.block_until_ready(out)
-            runs.append((time.perf_counter() - start) / args.iters * 1e3)
-        return statistics.median(runs)
+        return time_jax(fn, [inputs], **timing)[0]
 
     def collectives(fn, inputs):
         text = fn.lower(*inputs).compile().as_text()
@@ -157,16 +138,16 @@ def main():
     loss = lambda fn: (lambda *a: jnp.sum(jnp.square(fn(*a).astype(jnp.float32))))
     modes = ["fwd"] if args.no_grad else ["fwd", "fwd+bwd"]
     results = []
-    for shape in SHAPE_SETS[args.shapes]:
+    for shape in parse_shapes(args.shapes, SHAPE_SETS):
         for layout in args.layouts.split(","):
             in_specs, b_axis, h_axis = specs(layout)
             split = "B" if layout == "data" else "H"
             if shape[split] % n:
-                print(f"skip {shape} {layout}: {split} not divisible by {n}", flush=True)
+                log(f"skip {shape_label(shape)} {layout}: {split} not divisible by {n}")
                 continue
             local_shape = dict(shape, **{split: shape[split] // n})
             for mode in modes:
-                row = dict(shape=shape, layout=layout, mode=mode, devices=n)
+                row = dict(shape=shape_label(shape), layout=layout, mode=mode, devices=n)
                 try:
                     full = make_inputs(shape, devices[0])
                     sharded_in = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(full, in_specs)]
@@ -188,28 +169,35 @@ def main():
                         row["unwrapped_all_gathers"] = sum("all-gather" in line
                                                            for line in collectives(plain, sharded_in))
                     except Exception as e:  # noqa: BLE001
-                        row["unwrapped_error"] = f"{type(e).__name__}: {e}"[:300]
+                        row["unwrapped_error"] = short_exc(e, 300)
                     ref = np.asarray(jax.jit(plain_o)(*full), np.float32)
                     got = np.asarray(jax.jit(sharded_o)(*sharded_in), np.float32)
                     row["rel_err_vs_1gpu"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
                     del full, sharded_in, local_in
                 except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {e}"[:500]
+                    row["error"] = short_exc(e, 500)
                     traceback.print_exc()
                 results.append(row)
-                print(json.dumps(row), flush=True)
+                log(f"{row['shape']} {layout} {mode}: " + ", ".join(
+                    f"{k} {fmt(v, '.4g') if isinstance(v, float) else v}" for k, v in row.items()
+                    if k not in ("shape", "layout", "mode", "devices", "collectives")))
 
-    print("\nshape" + " " * 49 + "layout mode     sharded  local1  full1  eff   speedup unwrapped")
+    write_json(args.out, dict(meta=meta, results=results))
+    hdr = ["shape", "layout", "mode", "sharded ms", "local 1 GPU", "full 1 GPU", "efficiency",
+           "speedup", "unwrapped ms", "collectives", "rel err"]
+    lines = []
     for r in results:
         if "error" in r:
-            print(f"{str(r['shape']):54s}{r['layout']:7s}{r['mode']:8s} ERROR {r['error'][:80]}")
+            lines.append([r["shape"], r["layout"], r["mode"], "ERROR " + r["error"][:60]] + [""] * 7)
             continue
-        print(f"{str(r['shape']):54s}{r['layout']:7s}{r['mode']:8s}{r['sharded_ms']:8.3f}{r['local_1gpu_ms']:8.3f}"
-              f"{r['full_1gpu_ms']:8.3f}{r['scaling_efficiency']:6.2f}{r['speedup_vs_1gpu']:7.2f}"
-              f"{r.get('unwrapped_ms', float('nan')):9.3f}  collectives={len(r['collectives'])}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(info=info, results=results), f, indent=1)
+        lines.append([r["shape"], r["layout"], r["mode"], fmt(r["sharded_ms"]), fmt(r["local_1gpu_ms"]),
+                      fmt(r["full_1gpu_ms"]), fmt(r["scaling_efficiency"], ".2f"),
+                      fmt(r["speedup_vs_1gpu"], ".2f"), fmt(r.get("unwrapped_ms")),
+                      str(len(r["collectives"])), fmt(r["rel_err_vs_1gpu"], ".1e")])
+    print_table(hdr, lines, f"{args.op} over {n} x {meta['device']} | jax {meta['jax']} | {impl} "
+                            f"{args.dtype} | efficiency = local 1 GPU / sharded (1.0 perfect); "
+                            "collectives should be 0")
+    return results
 
 
 if __name__ == "__main__":

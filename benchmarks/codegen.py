@@ -3,36 +3,54 @@
 
     PYTHONPATH=. python benchmarks/codegen.py --triton /path/to/site-packages --out /tmp/cg
     PYTHONPATH=. python benchmarks/codegen.py --triton DIR --out /tmp/cg --case full
+    PYTHONPATH=. python benchmarks/codegen.py --out /tmp/cg --variants M2,K256   # the Triton IR only
 
 1. Lowers through JAX's Pallas Triton lowering on CPU (``lowering_platforms=("cuda",)``; no GPU
    needed) and keeps the Triton IR of every pallas_call:
-   ``--case chunk_o`` (default): the chunk_o forward kernel at issue 4's shapes and at the launch
-   variants in VARIANTS; ``--case chunk_o_bwd``: its backward at the launch variants in
-   BWD_VARIANTS (B=8 T=4096 H=16 K=V=128 M=2); ``--case full``: every kernel of jax.grad of the full op
+   ``--case chunk_o`` (default): the chunk_o forward kernel (ops.chunk_o.pallas_fwd) at the
+   launch variants in VARIANTS (BlockSizes overrides of its default_block_sizes);
+   ``--case chunk_o_bwd``: its backward (ops.chunk_o.pallas_bwd) at BWD_VARIANTS (B=8 T=4096
+   H=16 K=V=128 M=2); ``--case full``: every kernel of jax.grad of the full op
    (chunk_gated_delta_product, implementation="pallas") at B=8 T=4096 H=16 K=V=128 M=2, launch
    parameters as the op picks them;
-2. compiles that IR with a separately installed Triton (``--triton``: a directory holding the
-   ``triton`` package, e.g. ``pip install --target DIR triton``) for sm_90a, and runs that Triton's
+2. with ``--triton`` (a directory holding a separately installed ``triton`` package, e.g.
+   ``pip install --target DIR triton``), compiles that IR for sm_90a and runs that Triton's
    bundled ptxas -v on the PTX (registers, spills, the C7512 "wgmma serialized" warning);
 3. counts, in the SASS (cuobjdump), global loads (LDG), async copies (LDGSTS, TMA's UTMALDG),
    tensor-core ops (HGMMA, HMMA), local-memory spill traffic (LDL/STL), and prints the order in
    which load groups and tensor-core groups come.
+Without --triton only step 1 runs (the .ttir files and the kernels' names, warps and stages).
 
 Caveat: this is the local jax's lowering plus the separate Triton's compiler, not necessarily the
 pipeline jaxlib runs on the GPU machine (jax 0.11.2 with its own Triton); treat the numbers as
 evidence of what the kernels ask for, not as the GPU's exact binaries. Nothing is timed here.
-Results for 2026-11-30 are in CODEGEN.md.
+Results are in CODEGEN.md.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
 
-VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
+
+def no_key_loop(key_dim, value_dim, m, **extra):
+    """BlockSizes overrides for the kernel without the K loop, as the launch table picks it there:
+    all of V <= 128 in one program (wider V: 128-wide tiles looped in one program), 2 stages,
+    copy_order "fused" at M >= 3."""
+    block_v = min(value_dim, 128)
+    return dict(dict(block_k=None, value_step=None, prefetch_values=False, num_stages=2,
+                     block_v=block_v, value_blocks_per_program=value_dim // block_v,
+                     copy_order="fused" if m >= 3 else "scores_first"), **extra)
+
+
+# name: (B, T, H, K, V, M, overrides of ops.chunk_o.pallas_fwd.default_block_sizes's choice,
+# applied with dataclasses.replace; "segments": True passes segment runs). Kept for the record of
+# CODEGEN.md, whose sessions named the same builds through the old kernel_config's overrides.
+VARIANTS = {
     "M1": (8, 4096, 16, 128, 128, 1, {}),
     "M2": (8, 4096, 16, 128, 128, 2, {}),
     "M3": (8, 4096, 16, 128, 128, 3, {}),
@@ -45,51 +63,54 @@ VARIANTS = {   # name: (B, T, H, K, V, M, kernel_config overrides)
     "M2_prefetch": (8, 4096, 16, 128, 128, 2, dict(prefetch_values=True)),
     "M2_segments": (8, 4096, 16, 128, 128, 2, dict(segments=True)),   # with segment ids (packed rows)
     # Both value tiles in one program, so the scores are made once (the next K = 256 lead).
-    "K256_vb2": (2, 16384, 16, 256, 256, 2, dict(block_v=128, value_blocks_per_program=2)),
+    "K256_vb2": (2, 16384, 16, 256, 256, 2, dict(block_v=128, value_blocks_per_program=2,
+                                                 prefetch_values=False)),
     "K256_vb2_s3": (2, 16384, 16, 256, 256, 2, dict(block_v=128, value_blocks_per_program=2,
-                                                    num_stages=3)),
-    "M2_w8": (8, 4096, 16, 128, 128, 2, dict(block_k=0, num_warps=8)),
-    "M3_scores_first": (8, 4096, 16, 128, 128, 3, dict(block_k=0, copy_order="scores_first")),
-    "M2_fused": (8, 4096, 16, 128, 128, 2, dict(block_k=0, copy_order="fused")),
-    # Without the K loop (block_k=0), timed in the seventh session and earlier.
+                                                    prefetch_values=False, num_stages=3)),
+    "M2_w8": (8, 4096, 16, 128, 128, 2, no_key_loop(128, 128, 2, num_warps=8)),
+    "M3_scores_first": (8, 4096, 16, 128, 128, 3, no_key_loop(128, 128, 3, copy_order="scores_first")),
+    "M2_fused": (8, 4096, 16, 128, 128, 2, no_key_loop(128, 128, 2, copy_order="fused")),
+    # Without the K loop, timed in the seventh session and earlier.
     # Pipelining over chunks at K = 128 (what took K = 64 from 74 % to 99 % of the floor):
-    "M1_cpp2": (8, 4096, 16, 128, 128, 1, dict(block_k=0, chunks_per_program=2)),
-    "M1_cpp4": (8, 4096, 16, 128, 128, 1, dict(block_k=0, chunks_per_program=4)),
-    "M2_cpp2": (8, 4096, 16, 128, 128, 2, dict(block_k=0, chunks_per_program=2)),
-    "M2_bv64_cpp2": (8, 4096, 16, 128, 128, 2, dict(block_k=0, block_v=64, value_blocks_per_program=1,
-                                                    chunks_per_program=2)),
-    "M2_bv64_cpp4": (8, 4096, 16, 128, 128, 2, dict(block_k=0, block_v=64, value_blocks_per_program=1,
-                                                    chunks_per_program=4)),
-    "M2_bv64": (8, 4096, 16, 128, 128, 2, dict(block_k=0, block_v=64, value_blocks_per_program=1)),
-    # Without the loop over K (block_k=0), the default at K >= 128 until the eighth session:
-    "M1_no_k_loop": (8, 4096, 16, 128, 128, 1, dict(block_k=0)),
-    "M2_no_k_loop": (8, 4096, 16, 128, 128, 2, dict(block_k=0)),
-    "M3_no_k_loop": (8, 4096, 16, 128, 128, 3, dict(block_k=0)),
-    "K256_no_k_loop": (2, 16384, 16, 256, 256, 2, dict(block_k=0)),
+    "M1_cpp2": (8, 4096, 16, 128, 128, 1, no_key_loop(128, 128, 1, chunks_per_program=2)),
+    "M1_cpp4": (8, 4096, 16, 128, 128, 1, no_key_loop(128, 128, 1, chunks_per_program=4)),
+    "M2_cpp2": (8, 4096, 16, 128, 128, 2, no_key_loop(128, 128, 2, chunks_per_program=2)),
+    "M2_bv64_cpp2": (8, 4096, 16, 128, 128, 2, no_key_loop(128, 128, 2, block_v=64, value_blocks_per_program=1,
+                                                           chunks_per_program=2)),
+    "M2_bv64_cpp4": (8, 4096, 16, 128, 128, 2, no_key_loop(128, 128, 2, block_v=64, value_blocks_per_program=1,
+                                                           chunks_per_program=4)),
+    "M2_bv64": (8, 4096, 16, 128, 128, 2, no_key_loop(128, 128, 2, block_v=64, value_blocks_per_program=1)),
+    # Without the loop over K, the default at K >= 128 until the eighth session:
+    "M1_no_k_loop": (8, 4096, 16, 128, 128, 1, no_key_loop(128, 128, 1)),
+    "M2_no_k_loop": (8, 4096, 16, 128, 128, 2, no_key_loop(128, 128, 2)),
+    "M3_no_k_loop": (8, 4096, 16, 128, 128, 3, no_key_loop(128, 128, 3)),
+    "K256_no_k_loop": (2, 16384, 16, 256, 256, 2, no_key_loop(256, 256, 2)),
     # K-loop variants timed and not kept:
     "M2_bk64": (8, 4096, 16, 128, 128, 2, dict(block_k=64, num_stages=2)),
     "M2_bk64_w8": (8, 4096, 16, 128, 128, 2, dict(block_k=64, num_stages=2, num_warps=8)),
-    "M3_bk32_s3": (8, 4096, 16, 128, 128, 3, dict(block_k=32, num_stages=3)),
-    "K256_bk32_vb2": (2, 16384, 16, 256, 256, 2, dict(block_k=32, block_v=128,
-                                                      value_blocks_per_program=2)),
+    "M3_bk32_s3": (8, 4096, 16, 128, 128, 3, dict(block_k=32, num_stages=3, value_step=None)),
+    "K256_bk32_vb2": (2, 16384, 16, 256, 256, 2, dict(block_k=32, num_stages=2, block_v=128,
+                                                      value_blocks_per_program=2, prefetch_values=False)),
     # A second loop over value columns for q·h and score·v (value_step; ninth session), and the
     # eighth session's defaults for M = 2 (4 stages) and M = 3 (no value loop):
     "M2_s4": (8, 4096, 16, 128, 128, 2, dict(block_k=32, num_stages=4)),
-    "M3_no_value_step": (8, 4096, 16, 128, 128, 3, dict(block_k=64, num_stages=2)),
+    "M3_no_value_step": (8, 4096, 16, 128, 128, 3, dict(block_k=64, num_stages=2, value_step=None)),
     "M1_vs64": (8, 4096, 16, 128, 128, 1, dict(value_step=64)),
     "M2_vs32": (8, 4096, 16, 128, 128, 2, dict(value_step=32, num_stages=4)),
     "M2_vs64": (8, 4096, 16, 128, 128, 2, dict(value_step=64, num_stages=4)),
     "M2_vs128": (8, 4096, 16, 128, 128, 2, dict(value_step=128, num_stages=4)),
     "M2_vs64_bk64": (8, 4096, 16, 128, 128, 2, dict(value_step=64, block_k=64, num_stages=2)),
     "M3_vs64": (8, 4096, 16, 128, 128, 3, dict(value_step=64)),
-    "K256_vs64": (2, 16384, 16, 256, 256, 2, dict(value_step=64)),
-    "K256_one_vs64": (2, 16384, 16, 256, 256, 2, dict(value_step=64, block_v=256)),
-    "K256_one_vs32": (2, 16384, 16, 256, 256, 2, dict(value_step=32, block_v=256)),
-    "K256_vs64_s2": (2, 16384, 16, 256, 256, 2, dict(value_step=64, num_stages=2)),
-    "K256_vs64_s3": (2, 16384, 16, 256, 256, 2, dict(value_step=64, num_stages=3)),
-    "K256_vs32_s3": (2, 16384, 16, 256, 256, 2, dict(value_step=32, num_stages=3)),
-    "K256_one_vs32_s2": (2, 16384, 16, 256, 256, 2, dict(value_step=32, block_v=256, num_stages=2)),
-    "K256_one_vs64_s2": (2, 16384, 16, 256, 256, 2, dict(value_step=64, block_v=256, num_stages=2)),
+    "K256_vs64": (2, 16384, 16, 256, 256, 2, dict(value_step=64, prefetch_values=False)),
+    "K256_one_vs64": (2, 16384, 16, 256, 256, 2, dict(value_step=64, block_v=256, prefetch_values=False)),
+    "K256_one_vs32": (2, 16384, 16, 256, 256, 2, dict(value_step=32, block_v=256, prefetch_values=False)),
+    "K256_vs64_s2": (2, 16384, 16, 256, 256, 2, dict(value_step=64, num_stages=2, prefetch_values=False)),
+    "K256_vs64_s3": (2, 16384, 16, 256, 256, 2, dict(value_step=64, num_stages=3, prefetch_values=False)),
+    "K256_vs32_s3": (2, 16384, 16, 256, 256, 2, dict(value_step=32, num_stages=3, prefetch_values=False)),
+    "K256_one_vs32_s2": (2, 16384, 16, 256, 256, 2, dict(value_step=32, block_v=256, num_stages=2,
+                                                         prefetch_values=False)),
+    "K256_one_vs64_s2": (2, 16384, 16, 256, 256, 2, dict(value_step=64, block_v=256, num_stages=2,
+                                                         prefetch_values=False)),
     "M2_vs32_s3": (8, 4096, 16, 128, 128, 2, dict(value_step=32, num_stages=3)),
     "M2_vs64_s3": (8, 4096, 16, 128, 128, 2, dict(value_step=64, num_stages=3)),
     "M2_vs64_s2": (8, 4096, 16, 128, 128, 2, dict(value_step=64, num_stages=2)),
@@ -135,29 +156,30 @@ def capture_chunk_o(names, out_dir):
     import jax
     import jax.numpy as jnp
 
-    from gdp_jax.chunk_o_pallas import chunk_o_pallas, kernel_config
+    from gdp_jax.ops.chunk_o.pallas_fwd import chunk_o_fwd_pallas, default_block_sizes
 
     meta = {}
     for name in names:
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
         batch, tokens, heads, key_dim, value_dim, m, overrides = VARIANTS[name]
         overrides = dict(overrides)
-        segments = overrides.pop("segments", False)      # not a kernel_config key: pass runs
+        segments = overrides.pop("segments", False)      # not a BlockSizes field: pass runs
         bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
         args = (sds((batch, tokens, heads, key_dim), bf16), sds((batch, tokens * m, heads, key_dim), bf16),
                 sds((batch, tokens * m, heads, value_dim), bf16),
                 sds((batch, tokens // 64, heads, key_dim, value_dim), bf16),
                 sds((batch, tokens, heads), jnp.float32),
                 sds((batch, tokens), jnp.int32) if segments else None)
-        config = kernel_config(key_dim, value_dim, 64, m, **overrides)
+        sizes = dataclasses.replace(default_block_sizes(key_dim, value_dim, 64, m), **overrides)
         with _Capture() as cap:
-            _lower(lambda q, k, v, h, g, runs, config=config, m=m, key_dim=key_dim: chunk_o_pallas(
+            _lower(lambda q, k, v, h, g, runs, sizes=sizes, m=m, key_dim=key_dim: chunk_o_fwd_pallas(
                 q, k, v, h, g, runs, scale=key_dim ** -0.5, chunk_size=64, num_householder=m,
-                config=config), args)
+                block_sizes=sizes), args)
         (kernel,) = cap.kernels
         with open(os.path.join(out_dir, f"{name}.ttir"), "w") as fh:
             fh.write(kernel["ir"])
-        meta[name] = dict(config=str(config), num_warps=config.num_warps,
-                          num_stages=config.num_stages)
+        meta[name] = dict(config=str(sizes), num_warps=sizes.num_warps, num_stages=sizes.num_stages)
     return meta
 
 
@@ -191,23 +213,21 @@ def capture_full_op(out_dir):
     return meta
 
 
-BWD_VARIANTS = {   # chunk_o backward at B=8 T=4096 H=16 K=V=128 M=2: BwdKernelConfig overrides
-    "bwd_default": {},
+BWD_VARIANTS = {   # chunk_o backward at B=8 T=4096 H=16 K=V=128 M=2: BlockSizes overrides
+    "bwd_default": {},                                  # split: dh | dq | dk, dv programs
     "bwd_w8": dict(num_warps=8),
     "bwd_s2": dict(num_stages=2),
-    "bwd_dkv_m": dict(roles="dh|dq|dkv/m"),
-    "bwd_dkv_m_s2": dict(roles="dh|dq|dkv/m", num_stages=2),
+    "bwd_fused": dict(split=False),                     # one program per chunk
+    "bwd_fused_w8": dict(split=False, num_warps=8),
 }
 
 
 def capture_chunk_o_bwd(out_dir):
-    """The chunk_o backward kernel (issue 3) at its default config and the BWD_VARIANTS."""
-    import dataclasses
-
+    """The chunk_o backward kernel at its default launch and the BWD_VARIANTS."""
     import jax
     import jax.numpy as jnp
 
-    from gdp_jax.chunk_o_bwd_pallas import bwd_kernel_config, chunk_o_bwd_pallas
+    from gdp_jax.ops.chunk_o.pallas_bwd import chunk_o_bwd_pallas, default_block_sizes
 
     B, T, H, K, V, M = 8, 4096, 16, 128, 128, 2
     bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
@@ -215,16 +235,16 @@ def capture_chunk_o_bwd(out_dir):
             sds((B, T // 64, H, K, V), bf16), sds((B, T, H), jnp.float32), sds((B, T, H, V), bf16))
     meta = {}
     for name, overrides in BWD_VARIANTS.items():
-        config = dataclasses.replace(bwd_kernel_config(K, V, 64, M, 2), **overrides)
+        sizes = dataclasses.replace(default_block_sizes(K, V, 64, 2), **overrides)
         with _Capture() as cap:
-            _lower(lambda q, k, v, h, g, do, config=config: chunk_o_bwd_pallas(
+            _lower(lambda q, k, v, h, g, do, sizes=sizes: chunk_o_bwd_pallas(
                 q, k, v, h, g, None, do, scale=K ** -0.5, chunk_size=64, num_householder=M,
-                config=config), args)
+                block_sizes=sizes), args)
         for i, kernel in enumerate(cap.kernels):
             tag = name if len(cap.kernels) == 1 else f"{name}_{i}"
             with open(os.path.join(out_dir, f"{tag}.ttir"), "w") as fh:
                 fh.write(kernel["ir"])
-            meta[tag] = dict(config=str(config), num_warps=int(kernel["num_warps"]),
+            meta[tag] = dict(config=str(sizes), num_warps=int(kernel["num_warps"]),
                              num_stages=int(kernel["num_stages"]))
     return meta
 
@@ -265,20 +285,28 @@ def compile_and_count(name, info, out_dir, triton_dir):
     return info
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--triton", required=True, help="directory holding a Triton package with ptxas")
+    p.add_argument("--triton", default=None,
+                   help="directory holding a Triton package with ptxas (without: the IR only)")
     p.add_argument("--out", required=True)
     p.add_argument("--case", default="chunk_o", choices=["chunk_o", "chunk_o_bwd", "full"])
     p.add_argument("--variants", default=",".join(VARIANTS), help="chunk_o variants (--case chunk_o)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.case == "chunk_o":
-        meta = capture_chunk_o(args.variants.split(","), args.out)
+        meta = capture_chunk_o([v for v in args.variants.split(",") if v], args.out)
     elif args.case == "chunk_o_bwd":
         meta = capture_chunk_o_bwd(args.out)
     else:
         meta = capture_full_op(args.out)
+    if args.triton is None:
+        with open(os.path.join(args.out, "codegen.json"), "w") as fh:
+            json.dump(meta, fh, indent=1)
+        print(f"{'kernel':24} {'warps':>5} {'stages':>6}  (Triton IR in {args.out}; --triton DIR compiles it)")
+        for name, r in meta.items():
+            print(f"{name:24} {r['num_warps']:5d} {r['num_stages']:6d}")
+        return meta
     sys.path.insert(0, args.triton)
     rows = {name: compile_and_count(name, info, args.out, args.triton) for name, info in meta.items()}
     with open(os.path.join(args.out, "codegen.json"), "w") as fh:
@@ -288,6 +316,7 @@ def main():
     for name, r in rows.items():
         print(f"{name:24} {r['num_warps']:5d} {r['num_stages']:6d} {r['registers'] or -1:5d} {r['spill_store_bytes'] or 0:7d} "
               f"{r['shared_bytes']:7d} {'yes' if r['wgmma_serialized'] else 'no':>5}  {r['order']}")
+    return rows
 
 
 if __name__ == "__main__":

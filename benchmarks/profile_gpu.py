@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Where the full op's GPU time goes: per kernel from a profiler trace, or its backward stage by stage.
+
+    PYTHONPATH=. python benchmarks/profile_gpu.py --out $OUT/kernels                  # --mode kernels
+    PYTHONPATH=. python benchmarks/profile_gpu.py --mode stages --out $OUT/stages.json
+    PYTHONPATH=. python benchmarks/profile_gpu.py --mode stages --shape B=1,T=128,H=2,K=32,M=2 --interpret
+
+--mode kernels: runs each jitted function (the op's forward, forward + backward gated and
+ungated) --calls times under ``jax.profiler.trace(create_perfetto_trace=True)``, then sums the
+duration of every event on the GPU's stream timelines by name (Pallas kernels carry their
+``name=``, XLA fusions their HLO names) per call. Device time per kernel: the sum is less than the
+wall-clock times of the bench scripts (launch gaps are not counted). Tables largest first, JSON
+(kernels.json) and the raw traces under --out (a directory).
+
+--mode stages: the stages of the op's Pallas path alone, each jitted and timed like the bench
+scripts (common.time_jax), on the operands the op gives them (the sub-chunk grid of the expanded
+stream; residuals from ops.gated_delta_product.states_pallas, random cotangents):
+  op_fwd, op_fwdbwd: the whole op (forward; value and gradient in q, k, v, g, beta), for the sum;
+  states_fwd / states_fwd_rule: stages 1-3 forward, plain and as the custom_vjp's forward rule
+                 (which also keeps the state before every sub-chunk);
+  wy_fwd, walk_fwd: the WY kernel and the state walk alone;
+  walk_bwd:      ops.chunk_h.pallas_bwd.chunk_h_bwd_pallas (reverse walk + epilogue), and
+  walk_kernel:   the reverse walk alone (chunk_h_bwd_walk);
+  wy_bwd_pallas: the WY VJP kernel at the op's dots; wy_bwd_xla (ops.wy.xla.wy_bwd_xla) and
+  wy_autodiff:   jax.vjp of ops.wy.xla.wy_xla, the jnp alternatives;
+  chunk_o_fwd, chunk_o_bwd: the output stage's kernels.
+Launch-config sweeps of these kernels are tune.py's (--stage wy, walk, walk_bwd, wy_bwd, ...).
+Nothing is asserted; a failing row prints its error. The table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+
+from common import (Phases, add_dtype_arg, fmt, log, make_problems, on_cpu,
+                    parse_shapes, print_table, run_meta, short_exc, time_jax, write_json)
+
+
+def gpu_kernel_times(trace_path: str, calls: int) -> list:
+    """(name, ms per call, launches per call) of every kernel on the GPU's stream timelines.
+
+    Only threads named "Stream ..." of a GPU process are counted: the trace also has summary
+    lines ("XLA Modules", "XLA Ops") over the same time, which would count it twice."""
+    with gzip.open(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    meta = [e for e in events if e.get("ph") == "M"]
+    gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name"
+                and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    threads = {(e["pid"], e["tid"]): str(e.get("args", {}).get("name", ""))
+               for e in meta if e.get("name") == "thread_name" and e["pid"] in gpu_pids}
+    streams = {key for key, name in threads.items() if name.lower().startswith("stream")}
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
+            total[e["name"]] += float(e.get("dur", 0.0))
+            count[e["name"]] += 1
+    if not streams:
+        log(f"no GPU stream timelines in {trace_path}; GPU threads: {sorted(set(threads.values()))}")
+    return sorted(((n, t / 1e3 / calls, count[n] // calls) for n, t in total.items()),
+                  key=lambda r: -r[1])
+
+
+def op_fns(p, impl):
+    """{fwd, fwdbwd, fwdbwd_ng}: (fn, args) of the full op on Problem p."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdp_jax import chunk_gated_delta_product
+
+    op = lambda q, k, v, g, beta, s: chunk_gated_delta_product(
+        q, k, v, g, beta, segment_ids=s, chunk_size=p.chunk_size, implementation=impl)[0]
+    loss = lambda q, k, v, g, beta, s, do: jnp.sum(op(q, k, v, g, beta, s).astype(jnp.float32)
+                                                   * do.astype(jnp.float32))
+    args = (p.q, p.k, p.v, p.g, p.beta, p.segment_ids, p.do)
+    return {
+        "fwd": (jax.jit(lambda q, k, v, g, beta, s, do: op(q, k, v, g, beta, s)), args),
+        "fwdbwd": (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), args),
+        "fwdbwd_ng": (jax.jit(jax.value_and_grad(
+            lambda q, k, v, g, beta, s, do: loss(q, k, v, None, beta, s, do), argnums=(0, 1, 2, 4))), args),
+    }
+
+
+def kernels_mode(args, shp, meta):
+    import jax
+    (p,) = make_problems(shp, op="full", dtype=args.dtype, sets=1, chunk_size=args.chunk)
+    os.makedirs(args.out, exist_ok=True)
+    tables = {}
+    for name, (fn, fn_args) in op_fns(p, args.impl).items():
+        if args.only and name not in args.only:
+            continue
+        try:
+            jax.block_until_ready(fn(*fn_args))                      # compile and warm up
+            trace_dir = os.path.join(args.out, name)
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                for _ in range(args.calls):
+                    out = fn(*fn_args)
+                jax.block_until_ready(out)
+        except Exception as e:  # noqa: BLE001
+            log(f"{name}: FAILED {short_exc(e)}")
+            continue
+        traces = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not traces:
+            log(f"{name}: no perfetto trace under {trace_dir}")
+            continue
+        rows = gpu_kernel_times(sorted(traces)[-1], args.calls)
+        tables[name] = rows
+        log(f"{name}: {sum(r[1] for r in rows):.3f} ms of GPU events per call, {len(rows)} kernels")
+    result = dict(meta=meta, shape=shp, chunk=args.chunk, tables=tables)
+    write_json(os.path.join(args.out, "kernels.json"), result)
+    for name, rows in tables.items():
+        print_table(["ms / call", "launches", "kernel"],
+                    [[f"{ms:.3f}", str(n), kernel[:100]] for kernel, ms, n in rows[:25]],
+                    f"{name} ({args.shape}, {args.dtype}, chunk {args.chunk}, {args.impl}): "
+                    f"{sum(r[1] for r in rows):.3f} ms of GPU events per call")
+    return result
+
+
+def stage_functions(args, shp):
+    """{name: (fn, operand sets)} of --mode stages."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_walk
+    from gdp_jax.ops.gated_delta_product import states_pallas
+    from gdp_jax.ops.wy.xla import wy_bwd_xla, wy_xla
+    from tune import STAGES
+
+    interpret = args.impl == "interpret"
+    full = make_problems(shp, op="full", dtype=args.dtype, sets=args.sets, chunk_size=args.chunk)
+    chunk_o = (make_problems(shp, op="chunk_o", dtype=args.dtype, sets=args.sets, chunk_size=args.chunk)
+               if not args.only or args.only & {"chunk_o_fwd", "chunk_o_bwd"} else None)
+    p = full[0]
+    fns = {}
+    for name, (fn, _) in op_fns(p, args.impl).items():
+        if name != "fwdbwd_ng":
+            fns[f"op_{name}"] = (fn, [(q.q, q.k, q.v, q.g, q.beta, q.segment_ids, q.do) for q in full])
+    stage = dict(chunk_size=args.chunk, num_householder=shp["M"], interpret=interpret)
+    states_sets = [(q.k, q.v, q.beta, q.g, q.runs) for q in full]
+    fns["states_fwd"] = (lambda k, v, beta, g, runs: states_pallas(k, v, beta, g, runs, None, **stage),
+                         states_sets)
+    fns["states_fwd_rule"] = (lambda k, v, beta, g, runs: states_pallas(
+        k, v, beta, g, runs, None, every_sub_chunk=True, **stage), states_sets)
+    wanted = lambda *names: not args.only or bool(args.only & set(names))
+    for name, key, problems in (("wy_fwd", "wy", full), ("walk_fwd", "walk", full),
+                                ("walk_bwd", "walk_bwd", full), ("wy_bwd_pallas", "wy_bwd", full),
+                                ("chunk_o_fwd", "chunk_o_fwd", chunk_o),
+                                ("chunk_o_bwd", "chunk_o_bwd", chunk_o)):
+        extra = dict(walk_bwd=("walk_kernel",), wy_bwd=("wy_bwd_xla", "wy_autodiff")).get(key, ())
+        if not wanted(name, *extra):
+            continue
+        try:
+            st = STAGES[key]()
+            st.interpret = interpret
+            sets = st.inputs(problems)
+            fns[name] = (st.call(st.default(shp, problems[0]), {}, shp, problems[0], interpret), sets)
+        except Exception as e:  # noqa: BLE001
+            fns[name] = (e, None)
+            continue
+        if key == "walk_bwd":
+            grid = st.grid[0]
+            walk = dict(chunk_size=grid["sub"], num_householder=1, with_initial_state=False,
+                        subchunks=grid["subchunks"], dot_dtype=grid["walk_bwd_dot_dtype"],
+                        interpret=interpret)
+            fns["walk_kernel"] = (lambda k, w, gamma, runs, h_sub, v_new, dh, dv_new, dfinal:
+                                  chunk_h_bwd_walk(k, w, gamma, runs, dh, dv_new, dfinal, **walk), sets)
+        if key == "wy_bwd":
+            sub, f32 = st.grid[0]["sub"], jnp.float32
+            fns["wy_bwd_xla"] = (lambda k, v, beta, gamma, runs, inverse, dw, du: wy_bwd_xla(
+                k, v, beta, gamma, runs, dw, du, chunk_size=sub), sets)
+
+            def wy_autodiff(k, v, beta, gamma, runs, inverse, dw, du):
+                fn = lambda *a: wy_xla(*a, runs, chunk_size=sub, num_householder=1)
+                _, vjp = jax.vjp(fn, k.astype(f32), v.astype(f32), beta.astype(f32), gamma)
+                return vjp((dw.astype(f32), du.astype(f32)))
+            fns["wy_autodiff"] = (wy_autodiff, sets)
+    return fns
+
+
+def stages_mode(args, shp, meta):
+    import jax
+    phases = Phases(on_cpu())
+    rows = {}
+    try:
+        for name, (fn, sets) in stage_functions(args, shp).items():
+            if args.only and name not in args.only:
+                continue
+            if sets is None:
+                rows[name] = dict(error=short_exc(fn))
+                log(f"{name:>16}: setup FAILED {rows[name]['error']}")
+                continue
+            try:
+                ms, info = time_jax(jax.jit(fn), sets, target_s=args.target_ms / 1e3, reps=args.reps,
+                                    max_iters=args.max_iters, during=phases.during(name))
+                rows[name] = dict(ms=ms, timing=info)
+                log(f"{name:>16}: {ms:.4g} ms (N={info['n']}, first call {info['first_call_s']:.1f} s)")
+                phases.record(rows[name], "gpu", name)
+            except Exception as e:  # noqa: BLE001
+                rows[name] = dict(error=short_exc(e))
+                log(f"{name:>16}: FAILED {rows[name]['error']}")
+    finally:
+        phases.close()
+    result = dict(meta=meta, shape=shp, chunk=args.chunk, rows=rows)
+    write_json(args.out, result)
+    print_table(["stage", "ms", "first call s"],
+                [[n, fmt(r.get("ms"), ".4f") if "ms" in r else "ERR " + r["error"][:60],
+                  fmt(r.get("timing", {}).get("first_call_s"), ".1f")] for n, r in rows.items()],
+                f"{meta['device']} | jax {meta['jax']} | {args.shape} chunk {args.chunk} {args.dtype} "
+                f"| {args.impl}")
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="kernels", choices=["kernels", "stages"])
+    p.add_argument("--shape", default="B=8,T=4096,H=16,K=128,M=2",
+                   help="one shape, 'B=..,T=..,H=..,K=..[,V=..],M=..[,segs=..]'")
+    add_dtype_arg(p)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--calls", type=int, default=5, help="--mode kernels: calls traced per function")
+    p.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU logic check)")
+    p.add_argument("--impl", default=None, choices=["pallas", "interpret", "xla"],
+                   help="implementation (default pallas on a GPU, interpret on a CPU)")
+    p.add_argument("--sets", type=int, default=2, help="--mode stages: input sets rotated")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--target-ms", type=float, default=100.0)
+    p.add_argument("--max-iters", type=int, default=50)
+    p.add_argument("--only", default="",
+                   help="comma-separated names: kernels: fwd, fwdbwd, fwdbwd_ng; stages: the rows above")
+    p.add_argument("--out", default=None,
+                   help="kernels: a directory (default profile_kernels); stages: a JSON file")
+    args = p.parse_args(argv)
+    args.only = set(filter(None, (n.strip() for n in args.only.split(","))))
+    if args.interpret:
+        args.impl = "interpret"
+    args.impl = args.impl or ("interpret" if on_cpu() else "pallas")
+    (shp,) = parse_shapes(args.shape, {})
+    meta = run_meta(args)
+    log(f"jax {meta['jax']} on {meta['device']}; mode {args.mode}; {args.shape} {args.dtype} "
+        f"chunk {args.chunk}; {args.impl}")
+    if args.mode == "kernels":
+        args.out = args.out or "profile_kernels"
+        return kernels_mode(args, shp, meta)
+    return stages_mode(args, shp, meta)
+
+
+if __name__ == "__main__":
+    main()

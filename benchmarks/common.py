@@ -253,46 +253,26 @@ def tile_width(n: int) -> int:
 
 
 def sub_grid_inputs(p: Problem) -> dict:
-    """The full op's stage-2/3 operands on the Pallas path's sub-chunk grid, built as the op builds
-    them from a "full" Problem (docs of ``gdp_jax.ops.gated_delta_product.states_pallas``):
-    positions padded to whole token chunks (zero k, v, beta; runs repeat the last token), K and V to
-    tile widths; gamma = ``expanded_log2_decays`` (or None), sub = ``sub_chunk_size(chunk)``,
-    subchunks = sub-chunks per token chunk. Also the op's dtype rules for these stages' kernels
-    (RESULTS.md, "Dtype rules of the full op"): work_dtype (w, u, h; 16-bit for 16-bit inputs),
-    walk_bwd_dot_dtype (bfloat16 for bfloat16, else float32) and wy_bwd (precision, operand_dtype).
+    """The full op's stage-2/3 operands on the Pallas path's sub-chunk grid, built by the library
+    from a "full" Problem (``gdp_jax.ops.gated_delta_product.sub_grid_operands``), with the op's
+    dtype rules for these stages' kernels (``stage_dtypes``): keys k_p, v_p, beta_p, gamma,
+    runs_p, sub, subchunks, work_dtype, walk_bwd_dot_dtype, wy_bwd (precision, operand_dtype).
     """
     import jax
-    import jax.numpy as jnp
 
-    from gdp_jax.ops.cumsum import expanded_log2_decays, sub_chunk_size
+    from gdp_jax.ops.cumsum import sub_chunk_size
+    from gdp_jax.ops.gated_delta_product import stage_dtypes, sub_grid_operands
 
-    B, T, H, K, V, M = (p.shape[c] for c in "BTHKVM")
-    bt = p.chunk_size
-    padded = -(-T // bt) * bt * M
-    sub = sub_chunk_size(bt)
-    kp, vp = tile_width(K), tile_width(V)
-
-    @jax.jit
-    def operands(k, v, beta, g, runs):
-        pad = lambda x, width: jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0),
-                                           (0, width - x.shape[-1])))
-        runs_p = None
-        if runs is not None:
-            runs_p = jnp.pad(jnp.repeat(runs.astype(jnp.int32), M, axis=1),
-                             ((0, 0), (0, padded - T * M)), mode="edge")
-        return dict(k_p=pad(k, kp), v_p=pad(v, vp),
-                    beta_p=jnp.pad(beta, ((0, 0), (0, padded - T * M), (0, 0))),
-                    gamma=None if g is None else expanded_log2_decays(g, M, padded, sub),
-                    runs_p=runs_p)
-
-    dtype = jnp.dtype(p.k.dtype)
-    half = dtype.itemsize == 2
-    return dict(
-        operands(p.k, p.v, p.beta, p.g, p.runs), sub=sub, subchunks=bt * M // sub,
-        work_dtype=dtype if half else jnp.dtype(jnp.float32),
-        walk_bwd_dot_dtype=jnp.dtype(jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32),
-        wy_bwd=dict(precision=jax.lax.Precision.HIGHEST if not half else None,
-                    operand_dtype=dtype if dtype == jnp.bfloat16 else None))
+    M = p.shape["M"]
+    build = jax.jit(lambda k, v, beta, g, runs: sub_grid_operands(
+        k, v, beta, g, runs, None, p.chunk_size, M)[:5])
+    k_p, v_p, beta_p, gamma, runs_p = build(p.k, p.v, p.beta, p.g, p.runs)
+    sub = sub_chunk_size(p.chunk_size)
+    rules = stage_dtypes(p.k.dtype)
+    return dict(k_p=k_p, v_p=v_p, beta_p=beta_p, gamma=gamma, runs_p=runs_p, sub=sub,
+                subchunks=p.chunk_size * M // sub, work_dtype=rules.work,
+                walk_bwd_dot_dtype=rules.walk_bwd_dot,
+                wy_bwd=dict(precision=rules.wy_bwd_precision, operand_dtype=rules.wy_bwd_operand))
 
 
 # ---------------------------------------------------------------------------------- floors, errors

@@ -17,7 +17,7 @@ Which implementation and dtypes run is ``_src.dispatch``'s rule (docs/math.md ha
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,8 @@ from gdp_jax.ops.wy.pallas_bwd import wy_bwd_pallas
 from gdp_jax.ops.wy.pallas_fwd import wy_pallas
 from gdp_jax.ops.wy.xla import wy_bwd_xla, wy_xla
 
-__all__ = ["chunk_gated_delta_product", "chunk_states", "states_jnp", "states_pallas"]
+__all__ = ["chunk_gated_delta_product", "chunk_states", "states_jnp", "states_pallas",
+           "stage_dtypes", "StageDtypes", "sub_grid_operands"]
 
 
 def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optional[jax.Array],
@@ -142,11 +143,16 @@ def states_jnp(k, v, beta, g_log2, runs, initial_state, *, chunk_size: int, num_
     return chunk_h_xla(k, w, u, g_log2, runs, initial_state, **stage)
 
 
-def _sub_grid_operands(k, v, beta, g, runs, initial_state, chunk_size: int, m: int):
-    """The Pallas path's operands on the sub-chunk grid of the expanded stream: positions padded
-    to whole token chunks (zero keys, values and betas; runs repeat the last token), K and V to
-    tile widths. Returns (k_p, v_p, beta_p, gamma, runs_p, h0, sub) with gamma [B, P_pad, H]
-    float32 sub-chunk-local log2 decays (or None) and h0 [B, H, Kp, Vp] float32 (or None)."""
+def sub_grid_operands(k, v, beta, g, runs, initial_state, chunk_size: int, m: int):
+    """The Pallas path's stage-2/3 operands on the sub-chunk grid of the expanded stream, as
+    ``states_pallas`` builds them (the benchmarks time the kernels on them): positions padded to
+    whole token chunks (zero keys, values and betas; runs repeat the last token), K and V to tile
+    widths. g: natural-log gates [B, T, H] or None; m: num_householder.
+
+    Returns (k_p, v_p, beta_p, gamma, runs_p, h0, sub): gamma [B, P_pad, H] float32 sub-chunk-local
+    log2 decays (or None), h0 [B, H, Kp, Vp] float32 (or None), sub the sub-chunk size; there are
+    chunk_size * m // sub sub-chunks per token chunk. The kernels' dtypes follow
+    ``stage_dtypes(k.dtype)``."""
     positions, key_dim = k.shape[1], k.shape[3]
     value_dim = v.shape[-1]
     tokens = positions // m
@@ -170,6 +176,27 @@ def _pad_positions(x, padded_positions: int, width: int):
     return jnp.pad(x, ((0, 0), (0, padded_positions - x.shape[1]), (0, 0), (0, width - x.shape[-1])))
 
 
+class StageDtypes(NamedTuple):
+    """The Pallas path's dtype rules for stages 2-3 (``_src.dispatch``; RESULTS.md, "Dtype rules
+    of the full op"): ``work`` for w, u, h and the forward walk's dots; ``walk_bwd_dot`` for the
+    reverse walk's dots and intermediates; ``wy_bwd_precision`` and ``wy_bwd_operand`` for the WY
+    VJP kernel's dots; ``wy_bwd_kernel`` whether compiled calls run that kernel (else
+    ``wy_bwd_xla``)."""
+    work: jnp.dtype
+    walk_bwd_dot: jnp.dtype
+    wy_bwd_precision: Optional[jax.lax.Precision]
+    wy_bwd_operand: Optional[jnp.dtype]
+    wy_bwd_kernel: bool
+
+
+def stage_dtypes(dtype) -> StageDtypes:
+    """``StageDtypes`` for inputs of ``dtype`` (compiled; the interpreter always runs the WY VJP
+    kernel)."""
+    precision, operand = dispatch.wy_bwd_dots(dtype)
+    return StageDtypes(dispatch.work_dtype(dtype), dispatch.walk_bwd_dot_dtype(dtype), precision,
+                       operand, dispatch.wy_bwd_runs_kernel(dtype, interpret=False))
+
+
 def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
                   interpret: bool, every_sub_chunk: bool = False):
     """Stages 1-3 on the sub-chunk grid with the Pallas kernels (forward only; the op wraps it in
@@ -189,7 +216,7 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     positions, key_dim = k.shape[1], k.shape[3]
     value_dim = v.shape[-1]
     m = num_householder
-    k_p, v_p, beta_p, gamma, runs_p, h0, sub = _sub_grid_operands(
+    k_p, v_p, beta_p, gamma, runs_p, h0, sub = sub_grid_operands(
         k, v, beta, g, runs, initial_state, chunk_size, m)
     work_dtype = dispatch.work_dtype(k.dtype)
     keep_inverse = every_sub_chunk and dispatch.wy_bwd_runs_kernel(k.dtype, interpret)
@@ -243,7 +270,7 @@ def _states_bwd(config, residuals, cotangents):
     dh, dv_new, dfinal, dk_through = cotangents
     positions, key_dim = k.shape[1], k.shape[3]
     value_dim = v.shape[-1]
-    k_p, v_p, beta_p, gamma, runs_p, _, sub = _sub_grid_operands(
+    k_p, v_p, beta_p, gamma, runs_p, _, sub = sub_grid_operands(
         k, v, beta, g, runs, None, chunk_size, m)
     padded_positions, kp, vp = k_p.shape[1], k_p.shape[3], v_p.shape[3]
     f32 = jnp.float32

@@ -28,15 +28,18 @@ def _same_segment_taps(segment_ids: Optional[jax.Array], batch: int, tokens: int
 class ShortConvolution(nnx.Module):
     """Causal depthwise 1-D convolution over T followed by SiLU (fla's ShortConvolution).
 
-    Wraps ``nnx.Conv`` (``feature_group_count = channels``, no bias, ``VALID`` padding after an
-    explicit left pad of W-1 zeros). Kernel: [W, 1, C]; tap W-1 is the current token.
+    Wraps ``nnx.Conv`` (``feature_group_count = channels``, ``VALID`` padding after an explicit
+    left pad of W-1 zeros). Kernel: [W, 1, C]; tap W-1 is the current token (fla's Conv1d weight
+    [C, 1, W] transposed). ``use_bias``: a per-channel bias [C] added before the SiLU (fla's
+    ``conv_bias``); off by default.
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, *, rngs: nnx.Rngs,
-                 dtype=None, param_dtype=jnp.float32):
+                 use_bias: bool = False, dtype=None, param_dtype=jnp.float32):
         self.channels, self.kernel_size = channels, kernel_size
+        self.use_bias = use_bias
         self.conv = nnx.Conv(channels, channels, kernel_size=(kernel_size,),
-                             feature_group_count=channels, padding="VALID", use_bias=False,
+                             feature_group_count=channels, padding="VALID", use_bias=use_bias,
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
@@ -59,8 +62,11 @@ class ShortConvolution(nnx.Module):
         """windows [..., W, C] (oldest first) -> [..., C], the conv applied to each window."""
         kernel = self.conv.kernel[...][:, 0, :]  # [W, C]
         dtype = self.conv.dtype or jnp.result_type(windows.dtype, kernel.dtype)
-        return jnp.einsum("...wc,wc->...c", windows.astype(dtype), kernel.astype(dtype),
-                          precision=jax.lax.Precision.HIGHEST)
+        y = jnp.einsum("...wc,wc->...c", windows.astype(dtype), kernel.astype(dtype),
+                       precision=jax.lax.Precision.HIGHEST)
+        if self.use_bias:
+            y = y + self.conv.bias[...].astype(dtype)
+        return y
 
     def step(self, x_t: jax.Array, conv_state: jax.Array):
         """x_t [B, C], conv_state [B, W-1, C] -> (silu(conv) [B, C], new conv_state [B, W-1, C])."""

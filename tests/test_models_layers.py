@@ -82,7 +82,7 @@ def test_layer_options_match_fla(kw):
 
 def test_layer_defaults_unchanged():
     """No new option changes the default layer: same parameters, no conv bias, H value heads,
-    and without short convolutions the projections stay linear unless asked for fla's SiLU."""
+    and without short convolutions SiLU on the projections as fla (linear on request)."""
     layer = GatedDeltaProduct(D, num_heads=H, head_dim=K, rngs=nnx.Rngs(0))
     assert layer.num_v_heads == H and not layer.conv_bias
     assert not hasattr(layer.q_conv.conv, "bias") or layer.q_conv.conv.bias is None
@@ -90,7 +90,10 @@ def test_layer_defaults_unchanged():
     assert "q_conv1d.bias" not in names and "A_log" in names
     plain = GatedDeltaProduct(D, num_heads=H, head_dim=K, use_short_conv=False, rngs=nnx.Rngs(0))
     z = jnp.linspace(-3, 3, 7)
-    assert plain.no_conv_activation is None and np.array_equal(plain._no_conv(z), z)
+    assert plain.no_conv_activation == "silu" and np.allclose(plain._no_conv(z), jax.nn.silu(z))
+    linear = GatedDeltaProduct(D, num_heads=H, head_dim=K, use_short_conv=False,
+                               no_conv_activation=None, rngs=nnx.Rngs(0))
+    assert np.array_equal(linear._no_conv(z), z)
     with pytest.raises(ValueError, match="no_conv_activation"):
         GatedDeltaProduct(D, num_heads=H, head_dim=K, no_conv_activation="gelu", rngs=nnx.Rngs(0))
 

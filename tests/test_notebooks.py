@@ -1,5 +1,5 @@
-"""notebooks/*.ipynb execute top to bottom (nbclient, a kernel on this interpreter) without a cell error,
-and are stored without outputs."""
+"""notebooks/*.ipynb (every one in the folder) execute top to bottom (nbclient, a kernel on this
+interpreter) without a cell error, and are stored without outputs."""
 
 import os
 import pathlib
@@ -19,11 +19,12 @@ from jupyter_client.manager import KernelManager  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-NAMES = ["01_chunk_o.ipynb", "02_layer.ipynb"]
+NAMES = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 
 
-def test_every_notebook_is_listed():
-    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == NAMES
+def test_the_notebooks_are_found():
+    # The README's two notebooks at least: a wrong folder would otherwise test nothing.
+    assert {"01_chunk_o.ipynb", "02_layer.ipynb"} <= set(NAMES), NAMES
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -2,8 +2,8 @@
 
 ``GatedDeltaProduct`` follows flash-linear-attention's layer of the same name: q/k/v/beta
 projections with M Householder copies per token, a Mamba-style forget gate (A_log, dt_bias),
-short causal depthwise convolutions with SiLU (without them: fla's plain SiLU on request,
-``no_conv_activation="silu"``), L2-normalised q/k, a gated RMSNorm on the output and an output
+short causal depthwise convolutions with SiLU (without them: SiLU alone, as fla; linear with
+``no_conv_activation=None``), L2-normalised q/k, a gated RMSNorm on the output and an output
 projection; ``num_v_heads`` value heads may share each q/k head. ``segment_ids`` pack several
 sequences into one row: the op restarts its state at every segment start and the short
 convolutions never read across one. ``attention_mask`` marks padding, which is dropped as fla
@@ -80,9 +80,9 @@ class GatedDeltaProduct(nnx.Module):
       allow_neg_eigval: beta = 2 sigmoid(b_proj(x)) in (0, 2); else sigmoid in (0, 1).
       use_short_conv: causal depthwise convolutions (width conv_size) + SiLU on q, k, v.
       conv_bias: a bias in each short convolution (fla's ``conv_bias``).
-      no_conv_activation: what replaces the convolutions when use_short_conv=False: None (the
-        default, this layer's behaviour so far: the q, k, v projections as they are) or "silu"
-        (fla's layer: SiLU on each projection; gdp_jax.models passes it).
+      no_conv_activation: what replaces the convolutions when use_short_conv=False: "silu" (the
+        default, fla's layer: SiLU on each of the q, k, v projections) or None (the projections
+        as they are, linear; the state-tracking example needs arbitrary key directions).
       use_output_gate: o = RMSNorm_V(o) * silu(g_proj(x)); off: o = RMSNorm_V(o).
       norm_eps: epsilon of the output RMSNorm.
       chunk_size, implementation: passed to ``chunk_gated_delta_product`` (None: Pallas on GPU,
@@ -94,7 +94,7 @@ class GatedDeltaProduct(nnx.Module):
                  expand_v: float = 1.0, num_v_heads: Optional[int] = None,
                  num_householder: int = 2, use_forget_gate: bool = True,
                  allow_neg_eigval: bool = True, use_short_conv: bool = True, conv_size: int = 4,
-                 conv_bias: bool = False, no_conv_activation: Optional[str] = None,
+                 conv_bias: bool = False, no_conv_activation: Optional[str] = "silu",
                  use_output_gate: bool = True, norm_eps: float = 1e-5,
                  chunk_size: int = 64, implementation: Optional[str] = None, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):

@@ -21,7 +21,7 @@ sys.path.insert(0, str(BENCHMARKS))
 QUICK = ["--target-ms", "2", "--reps", "2"]
 COPY = ["--copy-mb", "4"]
 SCRIPTS = {"common.py", "bench_chunk_o.py", "bench_full_op.py", "bench_sharding.py", "tune.py",
-           "profile_gpu.py", "codegen.py"}
+           "profile_gpu.py", "codegen.py", "bench_generate.py"}
 
 
 def script(name):
@@ -57,8 +57,16 @@ def baseline_dir(tmp_path_factory):
     return root
 
 
+def test_bench_generate_help():
+    """bench_generate.py needs torch, fla and a GPU to run; its command line parses without them."""
+    import subprocess
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_generate.py"), "--help"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and "--budget-s" in done.stdout, done.stderr[-2000:]
+
+
 def test_the_scripts_and_their_imports():
-    """Seven scripts, one input builder, and no private gdp_jax names (only the public API and
+    """Seven scripts and one input builder, and no private gdp_jax names (only the public API and
     the documented stage API: gdp_jax.ops...)."""
     assert {p.name for p in BENCHMARKS.glob("*.py")} == SCRIPTS
     private = re.compile(r"gdp_jax(\.\w+)*\._\w|from gdp_jax[\w.]* import [^\n]*\b_\w|_states_pallas|"

@@ -1,328 +1,272 @@
-"""The fused backward kernel of chunk_o (chunk_o_bwd_pallas) against autodiff references.
+"""chunk_gdp_fwd_o's gradients on CPU: the public op's custom_vjp ("xla": autodiff of the jnp path;
+"interpret": the Pallas backward kernel interpreted) and ``chunk_o_bwd_pallas`` called directly,
+fused and split (``BlockSizes(split=True)``), with key and value blocks.
 
-CPU: the kernel in Pallas' interpreter on small shapes, against float64 autodiff of the independent
-dense statement of SPEC's chunked form (helpers.dense_chunked_form); the jnp path's own VJP checked
-against float64 finite differences. GPU (marked, skipped elsewhere): the compiled Triton kernel at
-realistic shapes, against jax.vjp of the jnp path (itself checked here).
-
-The other structures (BwdKernelConfig.variant, chunk_o_bwd_pallas_split) run the same checks on a
-covering subset of shapes, each with several key and value blocks.
+Reference: float64 autodiff of ``cases.dense_chunked_form``, an independent dense statement of
+SPEC's chunked form, itself checked against the recurrence below.
 """
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdp_jax import reference
-from gdp_jax.chunk_o import chunk_o_xla
-from gdp_jax.chunk_o_bwd_pallas import BwdKernelConfig, bwd_kernel_config, chunk_o_bwd_pallas
-from gdp_jax.segments import segment_runs
-from helpers import dense_chunked_form, make_problem, random_segment_ids, rel_err
+import gdp_jax
+from gdp_jax.ops.chunk_o.pallas_bwd import BlockSizes, chunk_o_bwd_pallas, default_block_sizes
+from gdp_jax.ops.cumsum import chunk_local_log2_cumsum
+from cases import (CHUNK_O_NAMES, Case, assert_all_close, assert_close, build, cotangent,
+                   dense_chunked_form, dense_chunked_grads, random_segment_ids, run_numbers, seed_of,
+                   tolerance)
 
-NAMES = ("dq", "dk", "dv", "dh", "dg")
-
-
-def _inputs(seed, *, tokens, m, chunk_size, key_dim, value_dim, gated, segments, dtype=np.float32,
-            h_dtype=None, batch=2, heads=2):
-    """Random primal inputs and cotangent. The VJP needs no consistent (h, v_new), so unlike
-    ``make_problem`` this skips the recurrence (its compile per shape would dominate these tests)."""
-    rng = np.random.default_rng(seed)
-    num_chunks = -(-tokens // chunk_size)
-    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
-    k = normal(batch, tokens * m, heads, key_dim)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    g = None
-    if gated:
-        g_raw = -rng.uniform(0.0, 0.25, size=(batch, tokens, heads)).astype(np.float32)
-        g = reference.chunk_local_log2_cumsum(jnp.asarray(g_raw), chunk_size).astype(jnp.float32)
-    runs = (segment_runs(jnp.asarray(random_segment_ids(rng, batch, tokens, chunk_size)))
-            if segments else None)
-    cast = lambda x, dt=dtype: jnp.asarray(x, dt)
-    args = (cast(normal(batch, tokens, heads, key_dim)), cast(k),
-            cast(normal(batch, tokens * m, heads, value_dim)),
-            cast(0.5 * normal(batch, num_chunks, heads, key_dim, value_dim), h_dtype or dtype),
-            g, runs, cast(normal(batch, tokens, heads, value_dim)))
-    return args, dict(scale=key_dim ** -0.5, chunk_size=chunk_size, num_householder=m)
+IMPLEMENTATIONS = ["xla", "interpret"]
+GRAD_CASE = Case(77, 32, 16, 2, 16)        # g, segments, initial state, float32
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "num_householder"))
-def _xla_vjp(q, k, v, h, g, runs, do, **kw):
-    """jax.vjp of chunk_o_xla, evaluated in float32 (full-precision dots) on the given values."""
-    f32 = lambda x: None if x is None else x.astype(jnp.float32)
-    primals = [f32(x) for x in (q, k, v, h)] + ([] if g is None else [f32(g)])
-    fn = lambda q, k, v, h, g=None: chunk_o_xla(q, k, v, h, g, runs, **kw)
-    with jax.default_matmul_precision("highest"):
-        _, vjp = jax.vjp(fn, *primals)
-        grads = vjp(f32(do))
-    return tuple(grads) + ((None,) if g is None else ())
-
-
-def _dense_vjp(q, k, v, h, g, runs, do, *, scale, chunk_size, num_householder):
-    """float64 autodiff of helpers.dense_chunked_form, an implementation independent of ours.
-
-    Run numbers are themselves valid segment ids (a new segment wherever they change)."""
-    del num_householder  # dense_chunked_form reads M from k
-    ids = None if runs is None else np.asarray(runs)
+def test_dense_chunked_form_matches_recurrence():
+    """The gradient reference is only as good as its forward: it reproduces the recurrence."""
+    p = build(GRAD_CASE)
     with jax.enable_x64(True):
-        f64 = lambda x: None if x is None else jnp.asarray(np.asarray(jnp.asarray(x, jnp.float32), np.float64))
-        primals = [f64(x) for x in (q, k, v, h)] + ([] if g is None else [f64(g)])
-        fn = lambda q, k, v, h, g=None: dense_chunked_form(q, k, v, h, g, ids, scale=scale,
-                                                           chunk_size=chunk_size)
-        _, vjp = jax.vjp(fn, *primals)
-        grads = [np.asarray(x) for x in vjp(f64(do))]
-    return tuple(grads) + ((None,) if g is None else ())
+        args = [jnp.asarray(np.asarray(x, np.float64)) for x in p.chunk_o_args()]
+        runs = run_numbers(p.raw["segment_ids"], GRAD_CASE.batch, GRAD_CASE.tokens)
+        o = dense_chunked_form(*args, runs, scale=p.scale, chunk_size=16)
+    assert_close(o, p.ref["o"], tolerance("float32"))      # inputs were rounded to float32
 
 
-# Variant name -> (variant, roles): every structure, and within "roles" and "split" the shapes of role
-# sets the kernel supports (per-copy dkv programs or a copy loop; dg in one role or in slots; one role
-# or several in a call).
-VARIANTS = {
-    "roles": ("roles", "dh|dq|dkv/m"),
-    "roles_dh_dq": ("roles", "dkv/m|dh+dq"),
-    "roles_loop": ("roles", "dkv|dq|dh"),
-    "roles_one": ("roles", "dh+dq+dkv"),
-    "split": ("split", "dq|dkv/m"),
-    "split_one": ("split", "dq+dkv"),
-    "split_state": ("split_state", "dq|dkv/m"),
+def _reference(p, do, names=CHUNK_O_NAMES, **overrides):
+    args = dict(zip(CHUNK_O_NAMES, p.chunk_o_args()), **overrides)
+    _, grads = dense_chunked_grads(*[args[n] for n in CHUNK_O_NAMES], p.segment_ids, do,
+                                   scale=p.scale, chunk_size=p.case.chunk_size)
+    return {n: grads[n] for n in names}
+
+
+def _op(implementation, chunk_size=16):
+    return functools.partial(gdp_jax.chunk_gdp_fwd_o, chunk_size=chunk_size,
+                             implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("gated", [True, False], ids=["g", "nog"])
+def test_op_gradients(implementation, gated):
+    """Gradients in q, k, v, h (and g): each in its primal's dtype and shape; without g the
+    cotangent of g is None. Integer segment_ids ride along through grad and jit."""
+    p = build(GRAD_CASE)
+    do = cotangent(p.ref["o"].shape, 1)
+    g = p.g if gated else None
+    names = CHUNK_O_NAMES if gated else CHUNK_O_NAMES[:4]
+
+    def loss(q, k, v, h, g, segment_ids):
+        return jnp.sum(_op(implementation)(q, k, v, h, g, segment_ids=segment_ids) * do)
+
+    if gated:
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(p.q, p.k, p.v_new, p.h, g,
+                                                                 p.segment_ids)
+    else:
+        _, vjp = jax.vjp(jax.jit(lambda *a: _op(implementation)(*a, segment_ids=p.segment_ids)),
+                         p.q, p.k, p.v_new, p.h, None)
+        *grads, dg = vjp(do)
+        assert dg is None
+    grads = dict(zip(names, grads))
+    for name, x in zip(names, (p.q, p.k, p.v_new, p.h, g)):
+        chex.assert_equal_shape([grads[name], x])
+        chex.assert_type(grads[name], x.dtype)
+    assert_all_close(grads, _reference(p, do, names, g=g), tolerance("float32"))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_op_gradient_dtypes_follow_primals_bf16(implementation):
+    """bf16 q, k, v with float32 h and g: each cotangent takes its own primal's dtype."""
+    p = build(GRAD_CASE.replace(dtype="bfloat16"))
+    h = p.h.astype(jnp.float32)
+    do = cotangent(p.ref["o"].shape, 3, jnp.bfloat16)
+    o, vjp = jax.vjp(jax.jit(lambda *a: _op(implementation)(*a, segment_ids=p.segment_ids)),
+                     p.q, p.k, p.v_new, h, p.g)
+    chex.assert_type(o, jnp.bfloat16)
+    grads = vjp(do)
+    chex.assert_type(grads, [jnp.bfloat16] * 3 + [jnp.float32] * 2)
+    assert_all_close(dict(zip(CHUNK_O_NAMES, grads)), _reference(p, do, h=h),
+                     tolerance("bfloat16"))
+
+
+def _rows_as_leading_axis(p):
+    """[B, ...] -> [B, 1, ...]: vmap over B, each call sees batch size 1 with its own packing."""
+    return [x[:, None] for x in (p.q, p.k, p.v_new, p.h, p.g, p.segment_ids)]
+
+
+@pytest.mark.parametrize("implementation", ["interpret"])
+def test_vmap_over_differently_packed_rows(implementation):
+    """jit(vmap) of the op over rows packed differently (forward), and grad of it: vmap of the
+    Pallas kernels (an extra grid axis) and of the custom_vjp (the jnp path under vmap is plain
+    JAX; its forward under vmap: test_full_op.py)."""
+    p = build(GRAD_CASE)
+    assert not np.array_equal(p.segment_ids[0], p.segment_ids[1])
+    one_row = lambda q, k, v, h, g, ids: _op(implementation)(q, k, v, h, g, segment_ids=ids)
+    rows = _rows_as_leading_axis(p)
+    o = jax.jit(jax.vmap(one_row))(*rows)
+    chex.assert_shape(o, (2, 1) + p.ref["o"].shape[1:])
+    assert_close(o[:, 0], p.ref["o"], tolerance("float32"))
+
+    do = cotangent(p.ref["o"].shape, 4)
+    loss = lambda *a: jnp.sum(jax.vmap(one_row)(*a) * do[:, None])
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*rows)
+    assert_all_close({n: x[:, 0] for n, x in zip(CHUNK_O_NAMES, grads)}, _reference(p, do),
+                     tolerance("float32"))
+
+
+def test_checkpoint_under_grad():
+    """jax.checkpoint around the op's custom_vjp (the jnp path under it is plain autodiff)."""
+    p = build(GRAD_CASE)
+    do = cotangent(p.ref["o"].shape, 5)
+    op = jax.checkpoint(_op("interpret"))
+    loss = lambda q, k, v, h, g, ids: jnp.sum(op(q, k, v, h, g, segment_ids=ids) * do)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*p.chunk_o_args(), p.segment_ids)
+    assert_all_close(dict(zip(CHUNK_O_NAMES, grads)), _reference(p, do), tolerance("float32"))
+
+
+# ---------------------------------------------------------------------------------------------
+# chunk_o_bwd_pallas called directly (interpreted). The VJP needs no consistent (h, v_new), so
+# these inputs skip the recurrence: random q, k, v, h, decays and packings of the case.
+
+def kernel_inputs(case: Case, *, h_dtype=None, g=None):
+    """(q, k, v, h, g, runs, do) in the case's dtype (h in ``h_dtype`` if given; g float32);
+    the same values for the same arguments (tests on one case share inputs and reference)."""
+    if g is None:
+        return _kernel_inputs(case, None if h_dtype is None else jnp.dtype(h_dtype))
+    return _kernel_inputs.__wrapped__(case, h_dtype, g)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_inputs(case: Case, h_dtype, g=None):
+    rng = np.random.default_rng(seed_of("chunk_o_bwd", case.id, h_dtype))
+    b, t, hd, kd, vd, m = case.batch, case.tokens, case.heads, case.key_dim, case.value_dim, case.m
+    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    k = normal(b, t * m, hd, kd)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    if g is None and case.gated:
+        g_raw = -rng.uniform(0.0, 0.25, size=(b, t, hd)).astype(np.float32)
+        g = chunk_local_log2_cumsum(jnp.asarray(g_raw), case.chunk_size)
+    runs = None
+    if case.segments:
+        runs = gdp_jax.segment_runs(jnp.asarray(random_segment_ids(rng, b, t, case.chunk_size)))
+    cast = lambda x, dtype=case.jnp_dtype: jnp.asarray(x, dtype)
+    return (cast(normal(b, t, hd, kd)), cast(k), cast(normal(b, t * m, hd, vd)),
+            cast(0.5 * normal(b, case.num_chunks, hd, kd, vd), h_dtype or case.jnp_dtype),
+            g, runs, cast(normal(b, t, hd, vd)))
+
+
+def bound_kernel(case, block_sizes):
+    """chunk_o_bwd_pallas(q, k, v, h, g, runs, do) interpreted, with the case's static options."""
+    return functools.partial(chunk_o_bwd_pallas, scale=case.key_dim ** -0.5,
+                             chunk_size=case.chunk_size, num_householder=case.m, interpret=True,
+                             block_sizes=block_sizes)
+
+
+def check_kernel(case, block_sizes=None, *, h_dtype=None, g=None, kernel=None):
+    """The kernel's (dq, dk, dv, dh, dg) against float64 autodiff of the dense form: shapes,
+    dtypes (the primals', dg float32) and SPEC's bound for the case's dtype."""
+    q, k, v, h, g, runs, do = args = kernel_inputs(case, h_dtype=h_dtype, g=g)
+    got = dict(zip(CHUNK_O_NAMES, (kernel or bound_kernel(case, block_sizes))(*args)))
+    want = _kernel_reference(case, args)
+    for name, primal in zip(CHUNK_O_NAMES, (q, k, v, h, g)):
+        if primal is None:
+            assert got[name] is None, name
+            continue
+        chex.assert_equal_shape([got[name], primal])
+        chex.assert_type(got[name], jnp.float32 if name == "g" else primal.dtype)
+    assert_all_close(got, want, tolerance(case.dtype))
+
+
+_KERNEL_REFERENCES = {}
+
+
+def _kernel_reference(case, args):
+    """float64 autodiff of the dense form at kernel_inputs' values, once per input set."""
+    if id(args) not in _KERNEL_REFERENCES:
+        q, k, v, h, g, runs, do = args
+        _KERNEL_REFERENCES[id(args)] = (args, dense_chunked_grads(
+            q, k, v, h, g, runs, do, scale=case.key_dim ** -0.5, chunk_size=case.chunk_size)[1])
+    return _KERNEL_REFERENCES[id(args)][1]
+
+
+def _blocks(block_k=16, block_v=16, split=False):
+    return BlockSizes(block_k=block_k, block_v=block_v, num_warps=4, split=split)
+
+
+# Every (g, segments) combination with M = 1..3, ragged and whole last chunks, chunk 16 and 32,
+# K != V both ways; the fused and the split structure on the same inputs (one reference), with a
+# single block and with K and V split into 16-wide blocks (2 x 4 at K = 32, V = 64).
+_A = Case(77, 32, 64, 3, 16)                                           # g, segments
+_B = Case(64, 16, 32, 2, 32, gated=False, segments=False)
+_C = Case(77, 32, 16, 1, 16, segments=False)
+_D = Case(64, 16, 32, 3, 32, gated=False)
+KERNEL_CASES = {
+    "fused-default-M3-g-seg": (_A, None),
+    "fused-blocks-2x4-M3-g-seg": (_A, _blocks()),
+    "split-blocks-2x4-M3-g-seg": (_A, _blocks(split=True)),
+    "fused-default-M2-nog-noseg": (_B, None),
+    "split-one-block-M2-nog-noseg": (_B, _blocks(16, 32, split=True)),
+    "fused-default-M1-g-noseg": (_C, None),
+    "split-blocks-M1-g-noseg": (_C, _blocks(split=True)),
+    "fused-default-M3-nog-seg": (_D, None),
+    "split-blocks-M3-nog-seg": (_D, _blocks(split=True)),
 }
 
 
-def _variant_config(name, *, block_k=16, block_v=16, dh_block_k=0, dh_block_v=0, **launch):
-    variant, roles = VARIANTS[name]
-    launch = dict(dict(num_warps=4, num_stages=1), **launch)
-    return BwdKernelConfig(block_k=block_k, block_v=block_v, variant=variant, roles=roles,
-                           dh_block_k=dh_block_k, dh_block_v=dh_block_v, **launch)
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_kernel_float32(name):
+    case, block_sizes = KERNEL_CASES[name]
+    check_kernel(case, block_sizes)
 
 
-def _gpu_variant_config(name, key_dim, value_dim, chunk_size, m, dtype):
-    """The default blocks for the shape, with the variant's structure and 4 warps."""
-    variant, roles = VARIANTS[name]
-    base = bwd_kernel_config(key_dim, value_dim, chunk_size, m, jnp.dtype(dtype).itemsize)
-    return dataclasses.replace(base, variant=variant, roles=roles, num_warps=4)
+@pytest.mark.parametrize("split,m,h_dtype", [(False, 3, None), (True, 2, jnp.float32)],
+                         ids=["fused-M3-h-bf16", "split-M2-h-f32"])
+def test_kernel_bfloat16(split, m, h_dtype):
+    """bf16 q, k, v, do (bf16 dots, float32 accumulation); h in bf16 or float32."""
+    check_kernel(Case(77, 32, 16, m, 16, dtype="bfloat16"),
+                 _blocks(16, 16, split=split), h_dtype=h_dtype)
 
 
-def _check(args, kw, tol, interpret=True, config=None):
-    q, k, v, h, g, runs, do = args
-    got = chunk_o_bwd_pallas(*args, interpret=interpret, config=config, **kw)
-    want = (_dense_vjp if interpret else _xla_vjp)(*args, **kw)
-    primals = (q, k, v, h, g)
-    for name, x, ref, primal in zip(NAMES, got, want, primals):
-        if primal is None:
-            assert x is None, name
-            continue
-        assert x.shape == primal.shape, (name, x.shape, primal.shape)
-        want_dtype = jnp.float32 if name == "dg" else primal.dtype
-        assert x.dtype == want_dtype, (name, x.dtype)
-        err = rel_err(x, ref)
-        assert err < tol, f"{name}: relative error {err:.3g} >= {tol}"
-
-
-# A covering grid rather than the full product (interpret mode is slow): every (T, M) pair meets every
-# (g, segments) combination; chunk size and the K/V shape alternate across it so each meets both values.
-_GRID = [(tokens, m, gated, segments)
-         for tokens in (64, 77) for m in (1, 2, 3)
-         for gated, segments in ((True, True), (False, False), (True, False), (False, True))]
-
-
-@pytest.mark.parametrize("tokens,m,gated,segments", _GRID)
-def test_float32_against_dense_autodiff(tokens, m, gated, segments):
-    i = _GRID.index((tokens, m, gated, segments))
-    chunk_size = (16, 32)[(i + i // 4) % 2]
-    key_dim, value_dim = ((32, 16), (16, 32))[(i // 2) % 2]
-    args, kw = _inputs(i, tokens=tokens, m=m, chunk_size=chunk_size, key_dim=key_dim,
-                       value_dim=value_dim, gated=gated, segments=segments)
-    _check(args, kw, 1e-5)
-
-
-@pytest.mark.parametrize("m,h_dtype", [(1, None), (2, None), (3, None), (2, jnp.float32)])
-def test_bfloat16_against_dense_autodiff(m, h_dtype):
-    args, kw = _inputs(100 + m, tokens=77, m=m, chunk_size=16, key_dim=32, value_dim=16, gated=True,
-                       segments=True, dtype=jnp.bfloat16, h_dtype=h_dtype)
-    _check(args, kw, 2e-2)
-
-
-@pytest.mark.parametrize("key_dim,value_dim,gated", [(256, 128, True), (16, 256, False)])
-def test_default_blocks_of_wide_heads(key_dim, value_dim, gated):
-    """K or V wider than the default blocks: 2 key x 2 value blocks, then 1 x 2."""
-    args, kw = _inputs(7, tokens=40, m=2, chunk_size=16, key_dim=key_dim, value_dim=value_dim,
-                       gated=gated, segments=True, batch=1, heads=1)
-    _check(args, kw, 1e-5)
-
-
-# The three structures meet every (g, segments) combination, M = 1..3, whole and partial last chunks;
-# the other role sets two of those cases (M = 3 with g and segments, a partial chunk without g).
-_VARIANT_GRID = [(77, 3, True, True), (45, 2, False, True), (64, 2, False, False), (77, 1, True, False)]
-_MAIN_VARIANTS = ("roles", "split", "split_state")
-_VARIANT_CASES = [(name, case) for name in VARIANTS
-                  for case in (_VARIANT_GRID if name in _MAIN_VARIANTS else _VARIANT_GRID[:2])]
-
-
-@pytest.mark.parametrize("name,case", _VARIANT_CASES)
-def test_variants_float32_against_dense_autodiff(name, case):
-    """K = 32, V = 64 in 16-wide blocks (2 x 4); dh in its own blocks (32 x 16) for half the cases."""
-    tokens, m, gated, segments = case
-    i = _VARIANT_GRID.index(case)
-    args, kw = _inputs(200 + i, tokens=tokens, m=m, chunk_size=16, key_dim=32, value_dim=64,
-                       gated=gated, segments=segments, batch=1, heads=2)
-    config = _variant_config(name, dh_block_k=32 if i % 2 else 0, dh_block_v=16 if i % 2 else 0)
-    _check(args, kw, 1e-5, config=config)
-
-
-@pytest.mark.parametrize("name", _MAIN_VARIANTS)
-def test_variants_bfloat16_against_dense_autodiff(name):
-    args, kw = _inputs(300, tokens=77, m=2, chunk_size=16, key_dim=32, value_dim=16, gated=True,
-                       segments=True, dtype=jnp.bfloat16, h_dtype=jnp.float32, batch=1, heads=2)
-    _check(args, kw, 2e-2, config=_variant_config(name))
-
-
-def test_variant_and_roles_are_checked():
-    args, kw = _inputs(9, tokens=20, m=2, chunk_size=16, key_dim=16, value_dim=16, gated=True,
-                       segments=False, batch=1, heads=1)
-    for bad, match in [(dict(variant="nope"), "variant"),
-                       (dict(variant="roles", roles="dh|dq"), "all of"),
-                       (dict(variant="roles", roles="dh|dq|dq+dkv"), "at most once"),
-                       (dict(variant="roles", roles="dh|dq|dkv|dx"), "at most once"),
-                       (dict(variant="roles", roles="dh|dq+dkv/m"), "per copy"),
-                       (dict(variant="split", roles="dh|dq|dkv"), "runs dh apart"),
-                       (dict(variant="split", dh_block_v=48), "dh_block_v")]:
-        config = BwdKernelConfig(block_k=16, block_v=16, num_warps=4, num_stages=1, **bad)
-        with pytest.raises(ValueError, match=match):
-            chunk_o_bwd_pallas(*args, interpret=True, config=config, **kw)
-
-
-def test_config_override_splits_key_and_value_blocks():
-    """block_k = 16 < K = 32 and block_v = 16 < V = 64: 2 x 4 blocks, with M = 3, g and segments."""
-    args, kw = _inputs(9, tokens=45, m=3, chunk_size=16, key_dim=32, value_dim=64, gated=True,
-                       segments=True, batch=1, heads=2)
-    config = BwdKernelConfig(block_k=16, block_v=16, num_warps=4, num_stages=1)
-    got = chunk_o_bwd_pallas(*args, interpret=True, config=config, **kw)
-    for name, x, ref in zip(NAMES, got, _dense_vjp(*args, **kw)):
-        assert rel_err(x, ref) < 1e-5, name
-    bad = BwdKernelConfig(block_k=32, block_v=48, num_warps=4, num_stages=1)
-    with pytest.raises(ValueError, match="block_v"):
-        chunk_o_bwd_pallas(*args, interpret=True, config=bad, **kw)
-
-
-@pytest.mark.parametrize("name", [None] + list(VARIANTS))
-@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
-def test_strong_decay_in_partial_chunk_stays_finite(interpret, name):
-    """Padding rows of the last chunk must not form 2^(0 - g[s]) = inf (inf * 0 = NaN in dk, dv, dg).
-
-    Two steps of -100 (log2) near the end of the partial last chunk put g below -128 there. Reference:
-    the jnp path on the problem padded to whole chunks by hand (padding rows repeat the last real g, so
-    nothing overflows), cut back to T.
-    """
-    tokens, chunk_size, m, dim = 40, 16, 2, 16
-    args, kw = _inputs(3, tokens=tokens, m=m, chunk_size=chunk_size, key_dim=dim, value_dim=dim,
-                       gated=False, segments=False, batch=1, heads=2)
-    q, k, v, h, _, _, do = args
-    steps = np.full((1, tokens, 2), -0.5, np.float32)
-    steps[:, tokens - 2:] = -100.0
-    g = jnp.asarray(np.concatenate([np.cumsum(steps[:, i:i + chunk_size], axis=1)
-                                    for i in range(0, tokens, chunk_size)], axis=1))
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_strong_decay_in_partial_chunk_stays_finite(split):
+    """Padding rows of the last chunk must not form 2^(0 - g[s]) = inf (inf * 0 = NaN in dk, dv, dg):
+    two steps of -100 (log2) near the end of the partial last chunk put g below -128 there."""
+    case = Case(40, 16, 16, 2, 16, gated=False, segments=False, batch=1)
+    steps = np.full((1, case.tokens, case.heads), -0.5, np.float32)
+    steps[:, case.tokens - 2:] = -100.0
+    g = jnp.asarray(np.concatenate([np.cumsum(steps[:, i:i + 16], axis=1)
+                                    for i in range(0, case.tokens, 16)], axis=1))
     assert float(g.min()) < -128
-    config = None if name is None else _variant_config(name)
-    got = chunk_o_bwd_pallas(q, k, v, h, g, None, do, interpret=interpret, config=config, **kw)
-    for out_name, x in zip(NAMES, got):
-        assert bool(jnp.all(jnp.isfinite(x))), out_name
-
-    extra = -(-tokens // chunk_size) * chunk_size - tokens
-    pad = lambda x, n, mode="constant": jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), mode=mode)
-    want = _xla_vjp(pad(q, extra), pad(k, extra * m), pad(v, extra * m), h, pad(g, extra, "edge"), None,
-                    pad(do, extra), **kw)
-    want = [want[0][:, :tokens], want[1][:, :tokens * m], want[2][:, :tokens * m], want[3],
-            want[4][:, :tokens]]
-    for out_name, x, ref in zip(NAMES, got, want):
-        assert rel_err(x, ref) < (1e-5 if interpret else 2e-3), out_name
+    check_kernel(case, _blocks(split=split), g=g)   # rel_err refuses NaN and inf
 
 
-@pytest.mark.parametrize("name", [None, "roles", "split_state"])
-def test_under_jit(name):
-    args, kw = _inputs(11, tokens=50, m=2, chunk_size=16, key_dim=16, value_dim=16, gated=True,
-                       segments=True, batch=1, heads=2)
-    config = None if name is None else _variant_config(name)
-    got = jax.jit(functools.partial(chunk_o_bwd_pallas, interpret=True, config=config, **kw))(*args)
-    want = chunk_o_bwd_pallas(*args, interpret=True, config=config, **kw)
-    for out_name, x, ref in zip(NAMES, got, want):
-        assert rel_err(x, ref) < 1e-6, out_name
+class KernelJitTest(chex.TestCase):
+    """The kernel call eager and under jit (the split structure: its wrapper also sums the two dg
+    slots), against the reference."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_kernel_with_and_without_jit(self):
+        case = Case(50, 16, 16, 2, 16, batch=1)
+        check_kernel(case, kernel=self.variant(bound_kernel(case, _blocks(split=True))))
 
 
-def test_xla_vjp_against_finite_differences():
-    """The reference above is itself right: central differences of chunk_o_xla at float64 inputs.
-
-    chunk_o_xla accumulates in float32 even for float64 inputs, so the loss carries float32 rounding;
-    eps = 1e-2 keeps that below ~1e-5 relative (q, k, v, h enter linearly, so the central difference is
-    exact for them; for g its O(eps^2) error is ~1e-6). A wrong gradient is off by O(1).
-    """
-    with jax.enable_x64(True):
-        tokens, m, chunk_size, dim = 21, 2, 16, 16
-        p = make_problem(5, batch=1, tokens=tokens, heads=2, key_dim=dim, value_dim=dim, m=m,
-                         chunk_size=chunk_size, dtype=np.float64)
-        runs = segment_runs(p["segment_ids"])
-        kw = dict(scale=dim ** -0.5, chunk_size=chunk_size, num_householder=m)
-        primals = [jnp.asarray(p[n], jnp.float64) for n in ("q", "k", "v", "h", "g")]
-        rng = np.random.default_rng(6)
-        weights = jnp.asarray(rng.normal(size=p["o_ref"].shape))
-        loss = jax.jit(lambda *a: jnp.sum(weights * chunk_o_xla(*a, runs, **kw)))
-        grads = jax.grad(loss, argnums=tuple(range(5)))(*primals)
-        eps = 1e-2
-        for i, name in enumerate(NAMES):
-            direction = jnp.asarray(rng.normal(size=primals[i].shape))
-            plus = [x + eps * direction if j == i else x for j, x in enumerate(primals)]
-            minus = [x - eps * direction if j == i else x for j, x in enumerate(primals)]
-            numeric = float(loss(*plus) - loss(*minus)) / (2 * eps)
-            analytic = float(jnp.sum(grads[i] * direction))
-            assert abs(numeric - analytic) <= 1e-4 * abs(analytic), (name, numeric, analytic)
-
-
-# ------------------------------------------------------------------------------------------------ GPU
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
-@pytest.mark.parametrize("dim", [128, 256])
-@pytest.mark.parametrize("gated,segments", [(True, True), (False, False)])
-def test_gpu_against_xla_vjp(dtype, dim, gated, segments):
-    """The compiled Triton kernel; tf32 dots for float32 inputs (SPEC: 2e-3), bf16 2e-2."""
-    args, kw = _inputs(dim + gated, tokens=1000, m=2, chunk_size=64, key_dim=dim, value_dim=dim,
-                       gated=gated, segments=segments, dtype=dtype, batch=2, heads=4)
-    _check(args, kw, 2e-3 if dtype == np.float32 else 2e-2, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,chunk_size,key_dim,value_dim", [(1, 64, 64, 64), (3, 64, 128, 128),
-                                                            (2, 32, 128, 256), (2, 128, 64, 128),
-                                                            (3, 16, 16, 32)])
-def test_gpu_shapes(m, chunk_size, key_dim, value_dim):
-    args, kw = _inputs(m + key_dim, tokens=333, m=m, chunk_size=chunk_size, key_dim=key_dim,
-                       value_dim=value_dim, gated=True, segments=True, dtype=jnp.bfloat16, batch=2,
-                       heads=3)
-    _check(args, kw, 2e-2, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(VARIANTS))
-@pytest.mark.parametrize("m,dim,dtype,gated,segments", [(2, 128, jnp.bfloat16, True, True),
-                                                        (3, 128, np.float32, False, False),
-                                                        (1, 64, jnp.bfloat16, True, False),
-                                                        (2, 64, np.float32, True, True)])
-def test_gpu_variants_against_xla_vjp(name, m, dim, dtype, gated, segments):
-    """Each variant compiled (default blocks, 4 warps) at a realistic shape with a partial last chunk;
-    tf32 dots for float32 (SPEC: 2e-3), bf16 2e-2."""
-    args, kw = _inputs(dim + m, tokens=1000, m=m, chunk_size=64, key_dim=dim, value_dim=dim,
-                       gated=gated, segments=segments, dtype=dtype, batch=2, heads=4)
-    config = _gpu_variant_config(name, dim, dim, 64, m, dtype)
-    _check(args, kw, 2e-3 if dtype == np.float32 else 2e-2, interpret=False, config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["roles", "split", "split_state"])
-@pytest.mark.parametrize("num_warps,num_stages", [(8, 1), (4, 2), (4, 3)])
-def test_gpu_variant_launches(name, num_warps, num_stages):
-    """The launch settings the sweep tries, on one shape: results do not depend on them."""
-    args, kw = _inputs(17, tokens=700, m=2, chunk_size=64, key_dim=128, value_dim=128, gated=True,
-                       segments=True, dtype=jnp.bfloat16, batch=2, heads=3)
-    config = dataclasses.replace(_gpu_variant_config(name, 128, 128, 64, 2, jnp.bfloat16),
-                                 num_warps=num_warps, num_stages=num_stages)
-    _check(args, kw, 2e-2, interpret=False, config=config)
+def test_default_block_sizes_table():
+    """The backward's launch table (RESULTS.md, "chunk_o backward launch table")."""
+    table = lambda *a: dataclasses.astuple(default_block_sizes(*a))
+    # (block_k, block_v, num_warps, num_stages, split)
+    assert table(64, 64, 64, 2) == (64, 64, 4, 1, False)       # 16-bit, chunk 64, small: fused
+    assert table(128, 128, 64, 2) == (128, 128, 4, 1, True)    # 16-bit, chunk <= 64: split
+    assert table(128, 128, 32, 2) == (128, 128, 4, 1, True)
+    assert table(64, 64, 32, 2) == (64, 64, 4, 1, True)        # "small" is chunk 64 only
+    assert table(256, 256, 64, 2) == (128, 64, 4, 1, True)     # 64 values when K = 256
+    assert table(128, 128, 64, 4) == (128, 128, 8, 1, False)   # float32: fused, 8 warps
+    assert table(128, 128, 16, 4) == (128, 128, 4, 1, False)
+    assert table(256, 256, 128, 4) == (64, 64, 8, 1, False)    # float32 at chunk 128: 64 x 64
+    assert table(128, 128, 128, 2) == (128, 128, 8, 1, False)  # chunk 128: fused
+    for key_dim in (16, 64, 128, 256):
+        for value_dim in (16, 64, 256):
+            for chunk_size in (16, 64, 128):
+                for itemsize in (2, 4):
+                    default_block_sizes(key_dim, value_dim, chunk_size, itemsize).check(
+                        key_dim, value_dim)

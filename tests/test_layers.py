@@ -1,4 +1,7 @@
-"""Tests of gdp_jax.nn.GatedDeltaProduct (Flax NNX layer) on CPU: shapes, decode, segments, gradients."""
+"""gdp_jax.layers.GatedDeltaProduct (the Flax NNX layer, also exported as gdp_jax.nn) on CPU:
+shapes and dtypes, decode steps against the forward, prefill then decode, segment isolation,
+gradients reaching every parameter. The layer runs the jnp path ("xla"); the op under it is
+tested against the recurrence in test_full_op.py."""
 
 import jax
 import jax.numpy as jnp
@@ -7,9 +10,16 @@ import pytest
 
 nnx = pytest.importorskip("flax.nnx")
 
-from gdp_jax.nn import GatedDeltaProduct  # noqa: E402
+from gdp_jax.layers import GatedDeltaProduct  # noqa: E402
 
 D, H, K = 32, 2, 16
+
+
+def test_nn_is_a_shim_of_layers():
+    import gdp_jax.layers
+    import gdp_jax.nn
+    for name in ("GatedDeltaProduct", "GDPCache", "ShortConvolution"):
+        assert getattr(gdp_jax.nn, name) is getattr(gdp_jax.layers, name), name
 
 
 def _layer(**kw):

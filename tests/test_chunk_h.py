@@ -1,0 +1,281 @@
+"""Stage 3, the chunk-state walk: ``chunk_h_pallas`` (forward kernel: value blocks, 16-bit dots,
+initial state, ``subchunks`` and ``every_chunk_too``) and ``chunk_h_bwd_pallas`` (reverse walk and
+chunk-parallel epilogue: with and without g, segments and initial state, key and value blocks,
+``subchunks``, 16-bit operands), interpreted.
+
+Forward reference: the recurrence's own h, v_new and final state (w, u from the jnp WY stage).
+Backward reference: float64 autodiff of ``walk64`` below, the walk stated chunk by chunk with
+explicit per-token masks (independent of chunk_h_xla's chunk views), checked against the
+recurrence here too.
+"""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from gdp_jax.ops.chunk_h import chunk_h_bwd_pallas, chunk_h_pallas
+from gdp_jax.ops.chunk_h.pallas_bwd import BlockSizes as BwdBlockSizes, default_block_sizes
+from gdp_jax.ops.chunk_h.pallas_fwd import BlockSizes
+from gdp_jax.ops.cumsum import chunk_local_log2_cumsum
+from gdp_jax.ops.wy import wy_xla
+from cases import (Case, assert_all_close, assert_close, build, random_segment_ids,
+                   seed_of, to64, tolerance)
+
+NAMES = ("dk", "dw", "du", "dg", "dinitial_state")
+
+
+def walk64(k, w, u, g, runs, state0, *, chunk_size, m):
+    """(h, v_new, final_state) of the walk in float64, one chunk at a time (chunk_h.xla states it):
+    h[c] = state (zero at a segment start exactly on c0 > 0), v_new = u - w h[c], state <- d h[c]
+    + sum_j a_j k_j v_new_j^T with d = [same(c0, last)] 2^g[last], a_j = [same(t(j), last)]
+    2^(g[last] - g[t(j)]), last the chunk's last real token."""
+    batch, positions, heads, key_dim = k.shape
+    value_dim = u.shape[-1]
+    tokens = positions // m
+    g = jnp.zeros((batch, tokens, heads), k.dtype) if g is None else g
+    runs = np.zeros((batch, tokens), np.int64) if runs is None else np.asarray(runs)
+    state = (jnp.zeros((batch, heads, key_dim, value_dim), k.dtype) if state0 is None else state0)
+    hs, v_news = [], []
+    for c0 in range(0, tokens, chunk_size):
+        c1 = min(c0 + chunk_size, tokens)
+        last = c1 - 1
+        if c0 > 0:
+            reset = jnp.asarray(runs[:, c0] != runs[:, c0 - 1])[:, None, None, None]
+            state = jnp.where(reset, 0.0, state)
+        hs.append(state)
+        pos = slice(c0 * m, c1 * m)
+        v_new = u[:, pos] - jnp.einsum("bjhk,bhkv->bjhv", w[:, pos], state)
+        v_news.append(v_new)
+        token_of = np.arange(c0, c1).repeat(m)                                # [L]
+        same_last = jnp.asarray(runs[:, token_of] == runs[:, last:last + 1])  # [B, L]
+        a = same_last[:, :, None] * jnp.exp2(g[:, last:last + 1] - g[:, token_of])   # [B, L, H]
+        d = jnp.asarray(runs[:, c0] == runs[:, last])[:, None] * jnp.exp2(g[:, last])   # [B, H]
+        state = d[..., None, None] * state + jnp.einsum("bjh,bjhk,bjhv->bhkv", a, k[:, pos], v_new)
+    return jnp.stack(hs, axis=1), jnp.concatenate(v_news, axis=1), state
+
+
+@functools.lru_cache(maxsize=None)
+def walk_inputs(case: Case, segment_ids=None):
+    """Primals (k, w, u, g, runs, initial_state) and cotangents (dh, dv_new, dfinal), float32;
+    w and u from the jnp WY stage on random keys, values and betas (so the walk is well
+    conditioned), g chunk-local log2 decays. ``segment_ids``: a bytes [B, T] int32 packing."""
+    rng = np.random.default_rng(seed_of("walk", case.id, segment_ids))
+    b, t, hd, kd, vd, m = case.batch, case.tokens, case.heads, case.key_dim, case.value_dim, case.m
+    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    k = normal(b, t * m, hd, kd)
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), case.jnp_dtype)
+    v = jnp.asarray(normal(b, t * m, hd, vd))
+    beta = jnp.asarray(rng.uniform(0.05, 1.95, size=(b, t * m, hd)), jnp.float32)
+    g = None
+    if case.gated:
+        g = chunk_local_log2_cumsum(jnp.asarray(-rng.uniform(0.0, 0.25, size=(b, t, hd)),
+                                                jnp.float32), case.chunk_size)
+    ids = None
+    if segment_ids is not None:
+        ids = np.frombuffer(segment_ids, np.int32).reshape(b, t)
+    elif case.segments:
+        ids = random_segment_ids(rng, b, t, case.chunk_size)
+    runs = None if ids is None else gdp_jax.segment_runs(jnp.asarray(ids))
+    state0 = jnp.asarray(0.5 * normal(b, hd, kd, vd)) if case.initial_state else None
+    w, u = jax.jit(functools.partial(wy_xla, chunk_size=case.chunk_size, num_householder=m))(
+        k, v, beta, g, runs)
+    cotangents = (jnp.asarray(normal(b, case.num_chunks, hd, kd, vd)),
+                  jnp.asarray(normal(b, t * m, hd, vd)), jnp.asarray(normal(b, hd, kd, vd)))
+    return (k, w, u, g, runs, state0), cotangents
+
+
+def reference_vjp(case, primals, cotangents):
+    """float64 autodiff of walk64 in (k, w, u, g, initial_state) at the given (rounded) values."""
+    k, w, u, g, runs, state0 = primals
+    present = [x is not None for x in (k, w, u, g, state0)]
+    with jax.enable_x64(True):
+        wide = lambda x: jnp.asarray(to64(x))
+        diff = [wide(x) for x in (k, w, u, g, state0) if x is not None]
+
+        @jax.jit
+        def vjp(diff, cotangents):
+            def fn(*diff):
+                it = iter(diff)
+                k, w, u, g, s0 = (next(it) if here else None for here in present)
+                return walk64(k, w, u, g, runs, s0, chunk_size=case.chunk_size, m=case.m)
+            return jax.vjp(fn, *diff)[1](cotangents)
+
+        grads = iter(np.asarray(x) for x in vjp(diff, tuple(wide(x) for x in cotangents)))
+        return dict(zip(NAMES, (next(grads) if here else None for here in present)))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(chunk_size, m, block_sizes, dot_dtype, residual_dtype):
+    """jit(forward walk kernel -> h, v_new in ``residual_dtype``; then the backward kernels)."""
+    kw = dict(chunk_size=chunk_size, num_householder=m, interpret=True)
+
+    @jax.jit
+    def run(primals, cotangents):
+        k, w, u, g, runs, state0 = primals
+        h, v_new, _ = chunk_h_pallas(k, w, u, g, runs, state0, h_dtype=residual_dtype,
+                                     v_new_dtype=residual_dtype, dot_dtype=residual_dtype, **kw)
+        return chunk_h_bwd_pallas(k, w, g, runs, h, v_new, *cotangents, dot_dtype=dot_dtype,
+                                  with_initial_state=state0 is not None, block_sizes=block_sizes,
+                                  **kw)
+    return run
+
+
+def kernel_vjp(case, primals, cotangents, *, block_sizes=None, dot_dtype=jnp.float32,
+               residual_dtype=jnp.float32):
+    """The forward kernel's h and v_new (in ``residual_dtype``), then the backward kernels."""
+    run = _kernels(case.chunk_size, case.m, block_sizes, jnp.dtype(dot_dtype),
+                   jnp.dtype(residual_dtype))
+    return dict(zip(NAMES, run(primals, cotangents)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+
+@pytest.mark.parametrize("case,dot_dtype,block_v", [
+    (Case(77, 16, 32, 2, 16), jnp.float32, 16),                    # two value blocks
+    (Case(77, 16, 32, 3, 16, gated=False, segments=False, initial_state=False), jnp.float32, None),
+    (Case(77, 16, 32, 2, 16), jnp.bfloat16, 16),                    # the op's 16-bit dots
+], ids=["value-blocks-2", "nog-noseg-noinit", "bf16-dots"])
+def test_walk_against_recurrence(case, dot_dtype, block_v):
+    """h, v_new and the final state exactly as SPEC defines them. bfloat16 dots round w, k, the
+    state and v_new once per dot: the half-input bound. (K and V padded to tiles: through
+    states_pallas in test_full_op.py, and the backward's padded case below.)"""
+    p = build(case)
+    kw = dict(chunk_size=case.chunk_size, num_householder=case.m)
+
+    @jax.jit
+    def stages(k, v, beta, g, runs, initial_state):
+        w, u = wy_xla(k, v, beta, g, runs, **kw)
+        return chunk_h_pallas(k, w, u, g, runs, initial_state, interpret=True, dot_dtype=dot_dtype,
+                              block_sizes=BlockSizes(block_v=block_v), **kw)
+
+    h, v_new, final_state = stages(p.k, p.v, p.beta, p.g, p.runs, p.initial_state)
+    tol = tolerance("float32" if dot_dtype == jnp.float32 else "bfloat16")
+    assert_close(h, p.ref["h"], tol, "h")
+    assert_close(v_new, p.ref["v_new"], tol, "v_new")
+    assert_close(final_state, p.ref["final_state"], tol, "final_state")
+
+
+def test_walk_every_chunk_too_and_subchunks():
+    """every_chunk_too (the full op's forward rule): the state before every chunk as a fourth
+    result, beside h before every ``subchunks``-th one; both are the plain walk's h, the same bits."""
+    p = build(Case(64, 32, 16, 2, 16))
+    kw = dict(chunk_size=16, num_householder=2, interpret=True)
+    w, u = jax.jit(functools.partial(wy_xla, chunk_size=16, num_householder=2))(
+        p.k, p.v, p.beta, p.g, p.runs)
+    walk = lambda **extra: jax.jit(functools.partial(chunk_h_pallas, **kw, **extra))(
+        p.k, w, u, p.g, p.runs, p.initial_state)
+    h_plain, v_new_plain, final_plain = walk()
+    h, v_new, final_state, h_every = walk(subchunks=2, every_chunk_too=True)
+    chex.assert_trees_all_equal((h_every, h, v_new, final_state),
+                                (h_plain, h_plain[:, ::2], v_new_plain, final_plain))
+    assert_close(h_every, p.ref["h"], tolerance("float32"), "h")
+
+
+def test_walk64_matches_recurrence():
+    """The backward's float64 reference walk reproduces the recurrence (w, u float32 from wy_xla)."""
+    case = Case(77, 16, 32, 2, 16)
+    p = build(case)
+    w, u = jax.jit(functools.partial(wy_xla, chunk_size=16, num_householder=2))(
+        p.k, p.v, p.beta, p.g, p.runs)
+    with jax.enable_x64(True):
+        wide = lambda x: jnp.asarray(to64(x))
+        runs = np.asarray(p.runs)
+        out = jax.jit(lambda *a: walk64(*a[:4], runs, a[4], chunk_size=16, m=2))(
+            wide(p.k), wide(w), wide(u), wide(p.g), wide(p.initial_state))
+    for name, x in zip(("h", "v_new", "final_state"), out):
+        assert_close(x, p.ref[name], tolerance("float32"), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+BWD_CASES = {
+    # name: (case, block sizes or None for the default table)
+    "g-seg-init-blocks-2x2": (Case(77, 32, 32, 2, 16),
+                              BwdBlockSizes(block_k=16, block_v=16, num_warps=4)),
+    "nog-seg-noinit-M3": (Case(64, 16, 32, 3, 16, gated=False, initial_state=False), None),
+    "g-noseg-init-M1": (Case(50, 16, 16, 1, 16, segments=False), None),
+    "nog-noseg-noinit-padded": (Case(33, 24, 48, 3, 32, gated=False, segments=False,
+                                     initial_state=False), None),
+}
+
+
+@pytest.mark.parametrize("name", list(BWD_CASES))
+def test_walk_bwd_against_float64_autodiff(name):
+    case, block_sizes = BWD_CASES[name]
+    primals, cotangents = walk_inputs(case)
+    got = kernel_vjp(case, primals, cotangents, block_sizes=block_sizes)
+    for name_, x, primal in zip(NAMES, got.values(), (primals[0], *primals[1:4], primals[5])):
+        if primal is not None:
+            chex.assert_equal_shape([x, primal])
+            chex.assert_type(x, jnp.float32)
+    assert_all_close(got, reference_vjp(case, primals, cotangents), tolerance("float32"))
+
+
+# T = 40, chunk 16: segments start at 16 (a chunk boundary), 21, 22 (length 1) and 32, the first
+# token of the partial last chunk; row 1 has a single segment ending in a length-1 one at 39.
+BOUNDARY_IDS = np.array([[0] * 16 + [1] * 5 + [2] + [3] * 10 + [4] * 8, [7] * 39 + [8]], np.int32)
+
+
+def test_walk_bwd_segments_on_chunk_boundaries():
+    """Segment starts on chunk boundaries and at the partial last chunk's first token, length-1
+    segments mid-row and at the end. The initial state reaches only each row's first segment: in
+    row 0 it ends at 16, so the initial state's cotangent ignores every cotangent after it."""
+    case = Case(40, 16, 32, 2, 16)
+    primals, cotangents = walk_inputs(case, BOUNDARY_IDS.tobytes())
+    got = kernel_vjp(case, primals, cotangents)
+    assert_all_close(got, reference_vjp(case, primals, cotangents), tolerance("float32"))
+    dh, dv_new, dfinal = cotangents
+    later_changed = (dh.at[0, 1:].add(1.0), dv_new.at[0, 32:].add(1.0), dfinal.at[0].add(1.0))
+    again = kernel_vjp(case, primals, later_changed)
+    chex.assert_trees_all_equal(again["dinitial_state"][0], got["dinitial_state"][0])
+    assert not np.allclose(again["dk"][0], got["dk"][0])          # the change did land
+
+
+def test_walk_bwd_subchunks():
+    """subchunks=2, as the full op's backward calls it: dh only for the states stored before every
+    second chunk, i.e. the VJP with dh zero at the other chunks. T must fill whole groups of
+    chunks (edge padding would decay the final state's cotangent)."""
+    case = Case(64, 16, 32, 2, 16)
+    primals, (dh, dv_new, dfinal) = walk_inputs(case)
+    k, w, u, g, runs, state0 = primals
+    kw = dict(chunk_size=16, num_householder=2, interpret=True)
+    h, v_new, _ = jax.jit(functools.partial(chunk_h_pallas, **kw))(k, w, u, g, runs, state0)
+    got = jax.jit(functools.partial(chunk_h_bwd_pallas, with_initial_state=True, subchunks=2, **kw))(
+        k, w, g, runs, h, v_new, dh[:, ::2], dv_new, dfinal)
+    want = reference_vjp(case, primals, (dh.at[:, 1::2].set(0.0), dv_new, dfinal))
+    assert_all_close(dict(zip(NAMES, got)), want, tolerance("float32"))
+    with pytest.raises(ValueError, match="multiple of chunk_size"):
+        chunk_h_bwd_pallas(k[:, :96], w[:, :96], g[:, :48], runs[:, :48], h[:, :3], v_new[:, :96],
+                           dh[:, :3:2], dv_new[:, :96], dfinal, with_initial_state=True,
+                           subchunks=2, **kw)
+
+
+@pytest.mark.parametrize("dtype,dot_dtype", [("bfloat16", jnp.bfloat16), ("float16", jnp.float32)],
+                         ids=["bf16-bf16-dots", "f16-f32-dots"])
+def test_walk_bwd_16_bit(dtype, dot_dtype):
+    """The op's configurations for 16-bit inputs: k, w, h and v_new in the inputs' dtype; the
+    reverse walk's dots on bf16 operands for bf16 (dvt, dS, dw pass through HBM in bf16), float32
+    for float16. Against float64 autodiff at the same rounded k and w: the half-input bound."""
+    case = Case(77, 32, 16, 2, 16, dtype=dtype)
+    (k, w, u, g, runs, state0), cotangents = walk_inputs(case)
+    primals = (k, w.astype(dtype), u, g, runs, state0)
+    got = kernel_vjp(case, primals, cotangents, dot_dtype=dot_dtype, residual_dtype=case.jnp_dtype)
+    chex.assert_type([got["dw"], got["du"], got["dk"]], [dot_dtype, dot_dtype, jnp.float32])
+    assert_all_close(got, reference_vjp(case, primals, cotangents), tolerance(dtype))
+
+
+def test_walk_bwd_default_block_sizes_table():
+    """RESULTS.md, "Reverse state walk and its epilogue": (block_k, block_v, num_warps)."""
+    fields = lambda *a: (lambda s: (s.block_k, s.block_v, s.num_warps))(default_block_sizes(*a))
+    assert fields(128, 128, 64, jnp.bfloat16) == (128, 64, 4)
+    assert fields(128, 128, 64, jnp.float32) == (64, 32, 4)
+    assert fields(256, 128, 64, jnp.float32) == (64, 16, 4)
+    assert fields(256, 128, 64, jnp.bfloat16) == (64, 16, 4)     # 16-bit only up to K = 128
+    assert fields(96, 48, 128, jnp.float32) == (64, 32, 8)       # padded widths; chunk 128: 8 warps
+    assert fields(16, 16, 16, jnp.bfloat16) == (16, 16, 4)

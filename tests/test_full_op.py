@@ -1,0 +1,242 @@
+"""chunk_gated_delta_product, the full op, on CPU: "xla" (jnp stages 1-3, autodiff) and
+"interpret" (the Pallas path: WY and state-walk kernels on the sub-chunk grid under the states'
+custom_vjp, then chunk_o's kernels), and its stages on their own (``states_jnp``,
+``states_pallas``).
+
+Everything against SPEC's recurrence in float64: o and the final state, h and v_new of the stages,
+and the gradients in q, k, v, g, beta and initial_state against float64 autodiff of the recurrence.
+Argument errors: test_validation.py; the decode step: test_decode.py.
+"""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from gdp_jax import reference
+from gdp_jax._src import dispatch
+from gdp_jax.ops import cumsum
+from gdp_jax.ops.gated_delta_product import states_jnp, states_pallas
+from cases import (GRAD_NAMES, Case, assert_all_close, assert_close, build, full_op_fn,
+                   recurrence_grads, run_full_op, tolerance)
+
+IMPLEMENTATIONS = ["xla", "interpret"]
+BASE = Case(77, 32, 16, 2, 16)
+
+# A covering subset: ragged T, M = 1..3, K != V both ways and K, V padded to tiles, with and
+# without g, segments and initial state, float32, bfloat16 and float16 (16-bit work dtype). The
+# Pallas path's sub-chunks (min(chunk, 64) positions) number M per token chunk up to chunk 64 and
+# 2M at chunk 128 (here 4).
+FORWARD_CASES = [
+    BASE,
+    Case(130, 16, 32, 3, 32, initial_state=False),
+    Case(77, 32, 16, 1, 16, gated=False, segments=False),
+    Case(150, 16, 16, 2, 128),
+    Case(130, 24, 20, 1, 64, gated=False),
+    Case(77, 16, 32, 2, 16, dtype="bfloat16"),
+    Case(130, 32, 16, 2, 16, dtype="float16"),
+]
+
+
+# The jnp path of chunk 128, of widths that are not powers of two and of float16 inputs is
+# chunk_o_xla and float32 stages (covered by test_chunk_o.py and the other cases); the Pallas
+# path pads, tiles and casts for them, so those cases run "interpret" only.
+# No g and no segments under "interpret": the gradient test's nog-noseg-noinit case checks o.
+# bfloat16 under "xla": chunk_o_xla with bf16 q, k, v and float32 h (test_chunk_o_bwd.py) after
+# float32 stages.
+FORWARD_PARAMS = [(case, impl) for case in FORWARD_CASES for impl in IMPLEMENTATIONS
+                  if (impl == "interpret" and (case.gated or case.segments))
+                  or (impl == "xla" and not (case.chunk_size == 128 or case.key_dim == 24
+                                             or case.dtype != "float32"))]
+
+
+@pytest.mark.parametrize("case,implementation", FORWARD_PARAMS,
+                         ids=[f"{c.id}-{i}" for c, i in FORWARD_PARAMS])
+def test_against_recurrence(case, implementation):
+    p = build(case)
+    o, final_state = run_full_op(p, implementation)
+    chex.assert_shape(o, p.ref["o"].shape)
+    chex.assert_type([o, final_state], [case.jnp_dtype, jnp.float32])
+    assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
+    assert_close(final_state, p.ref["final_state"], tolerance(case.dtype), "final_state")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_stages_against_recurrence(implementation):
+    """Stages 1-3 on their own: g, h, v_new and the final state exactly as SPEC defines them;
+    "interpret" runs states_pallas (WY and walk kernels on the sub-chunk grid: M = 3 at chunk 32,
+    three sub-chunks per token chunk)."""
+    case = FORWARD_CASES[1]
+    p = build(case)
+    g_log2 = cumsum.chunk_local_log2_cumsum(p.g_raw, case.chunk_size)
+    assert_close(g_log2, p.ref["g"], tolerance("float32"), "g")
+    kw = dict(chunk_size=case.chunk_size, num_householder=case.m)
+    if implementation == "xla":
+        stages = jax.jit(functools.partial(states_jnp, **kw))
+        out = stages(p.k, p.v, p.beta, g_log2, p.runs, p.initial_state)
+    else:       # natural-log gates: the Pallas path takes its own sub-chunk cumsum
+        stages = jax.jit(functools.partial(states_pallas, interpret=True, **kw))
+        out = stages(p.k, p.v, p.beta, p.g_raw, p.runs, p.initial_state)
+    for name, x in zip(("h", "v_new", "final_state"), out):
+        assert_close(x, p.ref[name], tolerance("float32"), name)
+
+
+def test_reference_shares_the_cumsum():
+    """The reference's g and the op's stage 1 are one function, not two copies that could drift."""
+    assert reference.chunk_local_log2_cumsum is cumsum.chunk_local_log2_cumsum
+
+
+# chunk 16, T = 48: segments [0,10) [10,16) [16] [17,30) [30,41) [41,48) in row 0 (one starts on
+# the chunk boundary 16 and has length 1, one crosses 32, ids repeat non-adjacently); row 1
+# starts segments at 15 and 33.
+HAND_IDS = np.array([[0] * 10 + [1] * 6 + [0] + [1] * 13 + [0] * 11 + [2] * 7,
+                     [5] * 15 + [6] * 18 + [5] * 15], np.int32)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_hand_built_segments(implementation):
+    """The initial state reaches only each row's first segment: changing it changes nothing after
+    the first segment start, nor the final state."""
+    p = build(Case(48, 16, 16, 2, 16), segment_ids=HAND_IDS)
+    o, final_state = run_full_op(p, implementation)
+    assert_close(o, p.ref["o"], tolerance("float32"), "o")
+    assert_close(final_state, p.ref["final_state"], tolerance("float32"), "final_state")
+    o2, final2 = full_op_fn(implementation, 16)(*p.full_args(), initial_state=p.initial_state + 1.0,
+                                                segment_ids=p.segment_ids)
+    chex.assert_trees_all_equal((o2[0, 10:], o2[1, 15:], final2), (o[0, 10:], o[1, 15:], final_state))
+    assert not np.allclose(o2[0, :10], o[0, :10])                 # the change did land
+
+
+@pytest.mark.parametrize("tokens,implementation", [(1, "xla"), (1, "interpret"), (17, "interpret")])
+def test_short_sequences(tokens, implementation):
+    """T = 1 and T = chunk + 1 (a one-token last chunk: the sub-chunk grid's padding); row 1's last
+    token starts a segment. (The jnp path's one-token last chunk: test_chunk_o.py.)"""
+    ids = np.array([[0] * tokens, [0] * (tokens - 1) + [1]], np.int32)
+    p = build(Case(tokens, 16, 16, 2, 16), segment_ids=ids)
+    o, final_state = run_full_op(p, implementation)
+    assert_close(o, p.ref["o"], tolerance("float32"), "o")
+    assert_close(final_state, p.ref["final_state"], tolerance("float32"), "final_state")
+
+
+def test_defaults_and_no_final_state():
+    """implementation None, explicit scale and num_householder, output_final_state False."""
+    p = build(BASE)
+    op = jax.jit(functools.partial(gdp_jax.chunk_gated_delta_product, chunk_size=16, scale=0.3,
+                                   num_householder=2))
+    o, final_state = op(*p.full_args(), initial_state=p.initial_state, segment_ids=p.segment_ids)
+    assert final_state is None
+    assert_close(o, p.ref["o"] * 0.3 * BASE.key_dim ** 0.5, tolerance("float32"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients against float64 autodiff of the recurrence.
+
+GRAD_CASES = {
+    # name: (case, use_qk_l2norm, implementations)
+    # g, segments, initial state; q, k through use_qk_l2norm (the gradient passes the norm).
+    "g-seg-init-l2norm": (Case(37, 16, 8, 2, 16), True, IMPLEMENTATIONS),
+    # No g, no initial state, no segments: the None plumbing of both custom_vjps (the jnp
+    # path's is plain autodiff); M = 3 at chunk 32 puts three sub-chunks in a token chunk.
+    "nog-noseg-noinit-M3": (Case(40, 32, 16, 3, 32, gated=False, segments=False,
+                                 initial_state=False), False, ["interpret"]),
+    # 16-bit inputs: 16-bit cotangents of h and v_new enter the reverse walk as they are, the
+    # walks' dots take bf16 operands, the WY VJP kernel (bf16 operands) adds the walk's dk and
+    # rounds dk, dv to the inputs' dtype. float16's branches (float32 walk dots, TF32 WY dots) are
+    # tested per kernel (test_chunk_h.py, test_wy.py) and compiled in test_gpu.py. (The jnp
+    # path's 16-bit gradient dtypes: test_chunk_o_bwd.py; its stages are float32.)
+    "bf16": (Case(37, 16, 16, 2, 16, dtype="bfloat16"), False, ["interpret"]),
+}
+GRAD_PARAMS = [(name, impl) for name, (_, _, impls) in GRAD_CASES.items() for impl in impls]
+
+
+@pytest.mark.parametrize("name,implementation", GRAD_PARAMS)
+def test_gradients_against_recurrence(name, implementation):
+    case, l2norm, _ = GRAD_CASES[name]
+    p = build(case, qk_l2norm=l2norm)
+    do, dfinal, expected = recurrence_grads(p, qk_l2norm=l2norm)
+    names = [n for n in GRAD_NAMES if expected[n] is not None]
+    op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
+                           segment_ids=p.segment_ids, use_qk_l2norm=l2norm,
+                           chunk_size=case.chunk_size, implementation=implementation)
+    primals = dict(q=p.q, k=p.k, v=p.v, g_raw=p.g_raw, beta=p.beta,
+                   initial_state=p.initial_state)
+
+    def loss(*args):
+        a = dict(primals, **dict(zip(names, args)))
+        o, final_state = op(a["q"], a["k"], a["v"], a["g_raw"], a["beta"],
+                            initial_state=a["initial_state"])
+        return (jnp.sum(o.astype(jnp.float32) * do.astype(np.float32))
+                + jnp.sum(final_state * dfinal.astype(np.float32))), o
+
+    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(names))),
+                                               has_aux=True))(*[primals[n] for n in names])
+    assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
+    grads = dict(zip(names, grads))
+    for n in names:
+        chex.assert_equal_shape([grads[n], primals[n]])
+        chex.assert_type(grads[n], primals[n].dtype)
+    assert_all_close(grads, {n: expected[n] for n in names}, tolerance(case.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformations and dispatch
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_jit_vmap_over_differently_packed_rows(implementation):
+    """vmap over rows packed differently: "interpret" vmaps the Pallas kernels (an extra grid axis)
+    and the states' custom_vjp, "xla" the jnp stages."""
+    p = build(BASE)
+    add = lambda x: x[None]
+
+    def one_row(q, k, v, g, beta, initial_state, segment_ids):
+        o, s = gdp_jax.chunk_gated_delta_product(
+            add(q), add(k), add(v), add(g), add(beta), initial_state=add(initial_state),
+            segment_ids=add(segment_ids), output_final_state=True, chunk_size=16,
+            implementation=implementation)
+        return o[0], s[0]
+
+    o, final_state = jax.jit(jax.vmap(one_row))(*p.full_args(), p.initial_state, p.segment_ids)
+    assert_close(o, p.ref["o"], tolerance("float32"), "o")
+    assert_close(final_state, p.ref["final_state"], tolerance("float32"), "final_state")
+
+
+def test_pallas_takes_the_jnp_stages_beyond_the_kernels_widths():
+    """K above 256 (padded to 512) is wider than the compiled kernels are built for:
+    implementation="pallas" runs every stage in jnp, forward and backward, so it works on this
+    GPU-less host (a kernel would fail here), gives "xla"'s o bit for bit and the recurrence's
+    gradients."""
+    p = build(Case(21, 260, 16, 2, 16, batch=1, heads=1))
+    do, dfinal, expected = recurrence_grads(p)
+
+    def loss(*args):
+        o, final_state = gdp_jax.chunk_gated_delta_product(
+            *args[:5], initial_state=args[5], output_final_state=True,
+            segment_ids=p.segment_ids, chunk_size=16, implementation="pallas")
+        return jnp.sum(o * do.astype(np.float32)) + jnp.sum(final_state * dfinal.astype(np.float32)), o
+
+    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(
+        *p.full_args(), p.initial_state)
+    chex.assert_trees_all_equal(o, run_full_op(p, "xla")[0])
+    assert_close(o, p.ref["o"], tolerance("float32"))
+    assert_all_close(dict(zip(GRAD_NAMES, grads)), expected, tolerance("float32"))
+
+
+def test_dispatch_rules():
+    """The full op's stage and dtype rules (_src.dispatch), from plain values."""
+    f32, bf16, f16, f64 = (jnp.dtype(x) for x in ("float32", "bfloat16", "float16", "float64"))
+    assert dispatch.states_implementation("pallas", bf16, 256, 256) == "pallas"
+    assert dispatch.states_implementation("pallas", bf16, 260, 16) == "xla"   # pads to 512
+    assert dispatch.states_implementation("pallas", f32, 16, 300) == "xla"
+    assert dispatch.states_implementation("interpret", f32, 16, 300) == "interpret"
+    assert dispatch.states_implementation("interpret", f64, 16, 16) == "xla"
+    assert dispatch.states_implementation("xla", bf16, 16, 16) == "xla"
+    assert [dispatch.work_dtype(d) for d in (f32, bf16, f16)] == [f32, bf16, f16]
+    assert [dispatch.walk_bwd_dot_dtype(d) for d in (f32, bf16, f16)] == [f32, bf16, f32]
+    assert [dispatch.wy_bwd_runs_kernel(d, False) for d in (f32, bf16, f16)] == [False, True, True]
+    assert dispatch.wy_bwd_runs_kernel(f32, True)
+    assert dispatch.wy_bwd_dots(f32) == (jax.lax.Precision.HIGHEST, None)
+    assert dispatch.wy_bwd_dots(bf16) == (None, bf16)
+    assert dispatch.wy_bwd_dots(f16) == (None, None)

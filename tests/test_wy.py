@@ -1,0 +1,307 @@
+"""Stage 2, the WY representation, on its sub-chunk grid: ``wy_pallas`` (forward kernel, 16-bit
+and float32 branches, ``return_inverse``), ``wy_bwd_pallas`` (its VJP kernel: ``precision`` and
+``operand_dtype`` paths, column blocks, ``dk_accumulate``) interpreted, and ``wy_bwd_xla`` (the
+compiled float32 path's VJP, written out), against float64.
+
+Reference: ``wy_dense``, one dense S x S system per sub-chunk evaluated in float64 (its inverse by
+``unit_lower_inverse``, as LAPACK solves can deadlock jaxlib 0.10's CPU thread pool), and its
+float64 autodiff. ``test_dense_reference_is_wy_xla`` checks that it is ``wy_xla(chunk_size=S,
+num_householder=1)``, the stage as the jnp path states it. wy_xla itself is checked through the
+full op's jnp path against the recurrence (test_full_op.py).
+"""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdp_jax._src.segments import segment_runs
+from gdp_jax.ops.cumsum import expanded_log2_decays
+from gdp_jax.ops.wy import unit_lower_inverse, wy_bwd_pallas, wy_bwd_xla, wy_pallas, wy_xla
+from gdp_jax.ops.wy.pallas_bwd import BlockSizes
+from cases import assert_all_close, assert_close, rel_err, seed_of, to64, tolerance
+
+M = 2                        # Householder steps per token: gates sit at every M-th position
+NAMES = ("dk", "dv", "dbeta", "dgamma")
+
+
+def _segment_ids(batch, positions, sub_chunk):
+    """[B, P] ids: several segments inside sub-chunks, one starting exactly at a sub-chunk start
+    (position S) and inside a 16-row block, one of length 1; row 1 is packed differently and
+    repeats an id non-adjacently."""
+    s = sub_chunk
+    starts = [{0, 3, s // 2, s // 2 + 1, s, s + s // 4 + 1}, {0, s - 5, s + s // 2, 2 * s - 1}]
+    rows = []
+    for b in range(batch):
+        boundaries = np.zeros(positions, np.int32)
+        boundaries[sorted(x for x in starts[b % 2] if x < positions)] = 1
+        ids = np.cumsum(boundaries) - 1
+        rows.append(np.where(ids % 3 == 2, 0, ids) if b % 2 else ids)
+    return np.stack(rows).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def make_inputs(*, sub_chunk, num_sub_chunks, key_dim, value_dim, gated, segments,
+                dtype="float32", batch=2, heads=2, keys="random"):
+    """Primals (k, v, beta, gamma, runs) and cotangents (dw, du), rounded to ``dtype`` (gamma
+    float32, runs int32): what the kernels read is exactly what the reference sees.
+
+    keys="repeated": one direction per head plus 1% noise, beta in [1.5, 2), log decays in
+    (-0.02, 0]: the powers of each diagonal block of A grow like binomials (a run of repeated
+    tokens under negative eigenvalues) while (I + A)^{-1} stays small.
+    """
+    rng = np.random.default_rng(seed_of("wy", sub_chunk, num_sub_chunks, key_dim, value_dim,
+                                        gated, segments, dtype, keys))
+    positions = sub_chunk * num_sub_chunks
+    shape = (batch, positions, heads)
+    if keys == "random":
+        k = rng.normal(size=shape + (key_dim,))
+        beta = rng.uniform(0.0, 2.0, size=shape)
+    else:
+        k = rng.normal(size=(1, 1, heads, key_dim)) + 0.01 * rng.normal(size=shape + (key_dim,))
+        beta = rng.uniform(1.5, 2.0, size=shape)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    gamma = None
+    if gated:   # natural-log gates per token -> sub-chunk-local cumulative log2 decays per position
+        g_raw = -rng.uniform(0.01, 0.5 if keys == "random" else 0.02, size=(batch, positions // M, heads))
+        gamma = expanded_log2_decays(jnp.asarray(g_raw, jnp.float32), M, positions, sub_chunk)
+    runs = segment_runs(jnp.asarray(_segment_ids(batch, positions, sub_chunk))) if segments else None
+    cast = lambda x: jnp.asarray(x, dtype)
+    primals = (cast(k), cast(rng.normal(size=shape + (value_dim,))), cast(beta), gamma, runs)
+    cotangents = (cast(rng.normal(size=shape + (key_dim,))),
+                  cast(rng.normal(size=shape + (value_dim,))))
+    return primals, cotangents
+
+
+def wy_dense(k, v, beta, gamma, runs, *, sub_chunk):
+    """(w, u) in the inputs' dtype: per sub-chunk, A[j, i] = beta_j 2^(gamma_j - gamma_i) k_j·k_i
+    for i < j in one run, T = (I + A)^{-1}, w = T (beta live 2^gamma k), u = T (beta v)."""
+    batch, positions, heads, _ = k.shape
+    n, s = positions // sub_chunk, sub_chunk
+    per_sub_chunk = lambda x: jnp.moveaxis(x.reshape((batch, n, s) + x.shape[2:]), 2, -1)
+    kc = jnp.moveaxis(per_sub_chunk(k), -1, -2)                           # [B, n, H, S, K]
+    vc = jnp.moveaxis(per_sub_chunk(v), -1, -2)                           # [B, n, H, S, V]
+    bc = per_sub_chunk(beta)                                              # [B, n, H, S]
+    gc = jnp.zeros_like(bc) if gamma is None else per_sub_chunk(gamma.astype(bc.dtype))
+    rc = jnp.zeros((batch, n, 1, s), jnp.int32) if runs is None else runs.reshape(batch, n, 1, s)
+    mask = (rc[..., :, None] == rc[..., None, :]) & jnp.tril(jnp.ones((s, s), bool), -1)
+    decay = jnp.where(mask, jnp.exp2(jnp.where(mask, gc[..., :, None] - gc[..., None, :], 0.0)), 0.0)
+    hi = jax.lax.Precision.HIGHEST
+    a = bc[..., :, None] * decay * jnp.einsum("...jd,...id->...ji", kc, kc, precision=hi)
+    t_inv = unit_lower_inverse(a)
+    live = (rc == rc[..., :1]).astype(bc.dtype)
+    rhs_w = (bc * live * jnp.exp2(gc))[..., None] * kc
+    w = jnp.einsum("...ji,...id->...jd", t_inv, rhs_w, precision=hi)
+    u = jnp.einsum("...ji,...id->...jd", t_inv, bc[..., None] * vc, precision=hi)
+    unchunk = lambda x: jnp.moveaxis(x, 2, 3).reshape((batch, positions, heads, x.shape[-1]))
+    return unchunk(w), unchunk(u), jnp.moveaxis(t_inv, 2, 3).reshape(batch, positions, heads, s)
+
+
+def wy_numpy(primals, sub_chunk):
+    """(w, u, T) of wy_dense's statement in float64 numpy, T = (I + A)^{-1} by LAPACK per
+    sub-chunk, laid out as wy_pallas returns it ([B, P, H, S], row j: T[j, :])."""
+    k, v, beta, gamma, runs = (to64(x) for x in primals)
+    batch, positions, heads, _ = k.shape
+    n, s = positions // sub_chunk, sub_chunk
+    per = lambda x: x.reshape((batch, n, s, heads) + x.shape[3:]).swapaxes(2, 3)   # [B, n, H, S, ...]
+    kc, vc, bc = per(k), per(v), per(beta)
+    gc = np.zeros_like(bc) if gamma is None else per(gamma)
+    rc = np.zeros((batch, n, 1, s)) if runs is None else runs.reshape(batch, n, 1, s)
+    mask = (rc[..., :, None] == rc[..., None, :]) & np.tril(np.ones((s, s), bool), -1)
+    decay = np.where(mask, np.exp2(np.where(mask, gc[..., :, None] - gc[..., None, :], 0.0)), 0.0)
+    a = bc[..., :, None] * decay * np.einsum("...jd,...id->...ji", kc, kc)
+    t_inv = np.linalg.inv(np.eye(s) + a)
+    live = (rc == rc[..., :1]).astype(np.float64)
+    w = t_inv @ ((bc * live * np.exp2(gc))[..., None] * kc)
+    u = t_inv @ (bc[..., None] * vc)
+    unchunk = lambda x: x.swapaxes(2, 3).reshape(batch, positions, heads, x.shape[-1])
+    return unchunk(w), unchunk(u), unchunk(t_inv)
+
+
+_VJP_CACHE = {}
+
+
+def reference_vjp(primals, cotangents, sub_chunk):
+    """(dk, dv, dbeta, dgamma or None): float64 autodiff of wy_dense at the (rounded) inputs;
+    cached per input set (make_inputs caches those), as several tests share one."""
+    key = (id(primals), id(cotangents), sub_chunk)
+    if key not in _VJP_CACHE:
+        _VJP_CACHE[key] = (primals, cotangents, _reference_vjp(primals, cotangents, sub_chunk))
+    return _VJP_CACHE[key][2]
+
+
+@functools.partial(jax.jit, static_argnames=("sub_chunk",))
+def _dense_vjp(primals64, runs, dw, du, *, sub_chunk):
+    """One compilation per shape (gamma present or not), runs an argument, not a constant."""
+    fn = lambda k, v, beta, *g: wy_dense(k, v, beta, g[0] if g else None, runs,
+                                         sub_chunk=sub_chunk)[:2]
+    return jax.vjp(fn, *primals64)[1]((dw, du))
+
+
+def _reference_vjp(primals, cotangents, sub_chunk):
+    k, v, beta, gamma, runs = primals
+    with jax.enable_x64(True):
+        wide = lambda x: jnp.asarray(to64(x))
+        primals64 = tuple(wide(x) for x in (k, v, beta)) + (() if gamma is None else (wide(gamma),))
+        runs = jnp.zeros(k.shape[:2], jnp.int32) if runs is None else runs
+        grads = _dense_vjp(primals64, runs, *[wide(x) for x in cotangents], sub_chunk=sub_chunk)
+        grads = [np.asarray(x) for x in grads]
+    return dict(zip(NAMES, grads + [None] * (4 - len(grads))))
+
+
+_FORWARDS = {}
+
+
+def _forward(primals, sub_chunk, out_dtype=jnp.float32, return_inverse=False):
+    """wy_pallas interpreted (once per input set and options: make_inputs caches the inputs)."""
+    key = (id(primals), sub_chunk, jnp.dtype(out_dtype), return_inverse)
+    if key not in _FORWARDS:
+        _FORWARDS[key] = (primals, jax.jit(functools.partial(
+            wy_pallas, sub_chunk=sub_chunk, out_dtype=out_dtype, interpret=True,
+            return_inverse=return_inverse))(*primals))
+    return _FORWARDS[key][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+
+@pytest.mark.parametrize("sub_chunk,gated,segments,dtype", [
+    (16, False, False, "float32"), (16, True, True, "bfloat16"), (32, True, False, "float32"),
+    (64, True, True, "float32"), (64, False, True, "float16")])
+def test_wy_pallas_against_float64(sub_chunk, gated, segments, dtype):
+    """Every sub-chunk size (1, 2 and 4 diagonal blocks), with and without decays and segments;
+    float32 inputs (IEEE dots) and 16-bit ones (16-bit gram operands, T and the right-hand sides
+    rounded to 16 bits when applied)."""
+    primals, _ = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=2, key_dim=32, value_dim=16,
+                             gated=gated, segments=segments, dtype=dtype)
+    w_ref, u_ref, _ = wy_numpy(primals, sub_chunk)
+    w, u = _forward(primals, sub_chunk)
+    assert_close(w, w_ref, tolerance(dtype), "w")
+    assert_close(u, u_ref, tolerance(dtype), "u")
+
+
+@pytest.mark.parametrize("sub_chunk", [16, 64])
+def test_wy_pallas_repeated_keys(sub_chunk):
+    """Repeated keys and beta near 2 (float32): the diagonal blocks are inverted by forward
+    substitution, which only ever holds rows of the inverse. A Neumann-product inverse sums powers
+    of A up to 10^5 larger than T here and lost up to 7e-2 of w (benchmarks/RESULTS.md)."""
+    primals, _ = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=2, key_dim=32, value_dim=16,
+                             gated=True, segments=False, keys="repeated")
+    w_ref, u_ref, t_ref = wy_numpy(primals, sub_chunk)
+    blocks = t_ref.reshape(2, 2, sub_chunk, 2, sub_chunk).transpose(0, 1, 3, 2, 4)
+    kappa = np.linalg.cond(blocks).max()              # of T, = that of I + A
+    assert kappa > 100, kappa                         # the case is hard (random keys: ~3)
+    w, u = _forward(primals, sub_chunk)
+    assert_close(w, w_ref, tolerance("float32", "cpu, ill-conditioned"), "w")
+    assert_close(u, u_ref, tolerance("float32", "cpu, ill-conditioned"), "u")
+
+
+@pytest.mark.parametrize("sub_chunk,gated,segments", [(16, False, True), (64, True, True)])
+def test_wy_pallas_return_inverse(sub_chunk, gated, segments):
+    """return_inverse's T is (I + A)^{-1} per sub-chunk (row j: T[j, :]), float32; w and u are
+    those of the call without it."""
+    primals, _ = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=2, key_dim=32, value_dim=64,
+                             gated=gated, segments=segments)
+    _, _, t_ref = wy_numpy(primals, sub_chunk)
+    w, u, t_inv = _forward(primals, sub_chunk, return_inverse=True)
+    chex.assert_type(t_inv, jnp.float32)
+    eye = np.eye(sub_chunk)[np.arange(t_ref.shape[1]) % sub_chunk][None, :, None]
+    assert np.abs(t_ref - eye).max() > 0.1           # A is far from 0: the test can fail
+    assert_close(t_inv, t_ref, tolerance("float32"), "inverse")
+    chex.assert_trees_all_equal((w, u), _forward(primals, sub_chunk))
+
+
+def test_references_agree():
+    """wy_dense (what the VJP references differentiate, in float64) and wy_xla (the stage as the
+    jnp path states it, M = 1 and chunk = S: the sub-chunk grid) both equal the LAPACK statement."""
+    sub_chunk = 32
+    primals, _ = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=3, key_dim=32, value_dim=64,
+                             gated=True, segments=True)
+    k, v, beta, gamma, runs = primals
+    w_ref, u_ref, t_ref = wy_numpy(primals, sub_chunk)
+    w, u = jax.jit(functools.partial(wy_xla, chunk_size=sub_chunk, num_householder=1))(
+        k, v, beta, gamma, runs)
+    assert_close(w, w_ref, tolerance("float32"), "wy_xla w")
+    assert_close(u, u_ref, tolerance("float32"), "wy_xla u")
+    with jax.enable_x64(True):
+        dense = jax.jit(functools.partial(wy_dense, runs=runs, sub_chunk=sub_chunk))(
+            *[jnp.asarray(to64(x)) for x in (k, v, beta, gamma)])
+        for name, x, ref in zip(("w", "u", "T"), dense, (w_ref, u_ref, t_ref)):
+            np.testing.assert_allclose(np.asarray(x), ref, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+def _bwd_pallas(primals, cotangents, sub_chunk, **kw):
+    inverse = _forward(primals, sub_chunk, out_dtype=primals[0].dtype, return_inverse=True)[2]
+    return jax.jit(functools.partial(wy_bwd_pallas, sub_chunk=sub_chunk, interpret=True, **kw))(
+        *primals, inverse, *cotangents)
+
+
+def _bwd_xla(primals, cotangents, sub_chunk):
+    k, v, beta, gamma, runs = primals
+    return jax.jit(functools.partial(wy_bwd_xla, chunk_size=sub_chunk))(
+        k, v, beta, gamma, runs, *cotangents)
+
+
+# (implementation, sub_chunk, g, segments, dtype, kernel options): every sub-chunk size and
+# (g, segments) combination; the kernel's dot paths: IEEE float32 (precision HIGHEST, the
+# default: float32 inputs), TF32 (precision None: float16 inputs; float32 in the interpreter),
+# bfloat16 operands (operand_dtype: bfloat16 inputs), and column blocks narrower than K and V.
+BWD_CASES = {
+    "pallas-S16-g-seg": ("pallas", 16, True, True, "float32", {}),
+    "pallas-S32-precision-None": ("pallas", 32, False, False, "float32", dict(precision=None)),
+    "pallas-S64-g-block-cols-16": ("pallas", 64, True, False, "float32",
+                                   dict(block_sizes=BlockSizes(block_cols=16))),
+    "pallas-S64-seg": ("pallas", 64, False, True, "float32", {}),
+    "pallas-S64-bf16-inputs": ("pallas", 64, True, True, "bfloat16", {}),
+    "pallas-S64-bf16-operands": ("pallas", 64, True, True, "bfloat16",
+                                 dict(operand_dtype=jnp.bfloat16)),
+    "xla-S16-g-seg": ("xla", 16, True, True, "float32", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(BWD_CASES))
+def test_wy_bwd_against_float64_autodiff(name):
+    implementation, sub_chunk, gated, segments, dtype, kw = BWD_CASES[name]
+    primals, cotangents = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=3 if sub_chunk < 64 else 2,
+                                      key_dim=32, value_dim=64, gated=gated, segments=segments,
+                                      dtype=dtype)
+    if implementation == "pallas":
+        got = _bwd_pallas(primals, cotangents, sub_chunk, **kw)
+    else:
+        got = _bwd_xla(primals, cotangents, sub_chunk)
+    want = reference_vjp(primals, cotangents, sub_chunk)
+    for name_, x, primal in zip(NAMES, got, primals):
+        if x is not None:
+            chex.assert_equal_shape([x, primal])
+            chex.assert_type(x, jnp.float32)
+    # 16-bit inputs with float32 dots are float32 arithmetic on what the reference sees; 16-bit
+    # operands round every dot's operands once more, so they take the half-input bound.
+    rounded_operands = "operand_dtype" in kw
+    assert_all_close(dict(zip(NAMES, got)), want,
+                     tolerance("bfloat16" if rounded_operands else "float32"))
+
+
+def test_wy_bwd_dk_accumulate_and_out_dtype():
+    """dk_accumulate (the op passes the state walk's and the output stage's shares of dk) is added
+    to dk in float32, and dk, dv come rounded to out_dtype; dbeta, dgamma stay float32."""
+    sub_chunk = 64
+    primals, cotangents = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=2, key_dim=32,
+                                      value_dim=64, gated=True, segments=True, dtype="bfloat16")
+    extra = jax.random.normal(jax.random.PRNGKey(3), primals[0].shape, jnp.float32)
+    halves = (0.5 * extra, (0.5 * extra).astype(jnp.bfloat16))            # any dtypes
+    got = _bwd_pallas(primals, cotangents, sub_chunk, dk_accumulate=halves,
+                      out_dtype=jnp.bfloat16)
+    want = reference_vjp(primals, cotangents, sub_chunk)
+    chex.assert_type(got, [jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32])
+    assert rel_err(got[0], want["dk"]) > 0.1                # the extra term is really there
+    # dk and dv are rounded to bfloat16 once; dbeta and dgamma are float32 arithmetic on the
+    # rounded inputs the reference sees.
+    assert_close(got[0], want["dk"] + np.asarray(extra), tolerance("bfloat16"), "dk")
+    assert_close(got[1], want["dv"], tolerance("bfloat16"), "dv")
+    assert_close(got[2], want["dbeta"], tolerance("float32"), "dbeta")
+    assert_close(got[3], want["dgamma"], tolerance("float32"), "dgamma")

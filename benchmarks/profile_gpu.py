@@ -35,7 +35,6 @@ import glob
 import gzip
 import json
 import os
-import sys
 
 from common import (Phases, add_dtype_arg, fmt, log, make_problems, on_cpu,
                     parse_shapes, print_table, run_meta, short_exc, time_jax, write_json)

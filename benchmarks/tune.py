@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import statistics
 import sys
 import time

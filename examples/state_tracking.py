@@ -40,7 +40,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import pathlib
 import platform
 import sys

@@ -7,7 +7,7 @@ kernel. All checks read static shapes and dtypes only, so they cost nothing unde
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp

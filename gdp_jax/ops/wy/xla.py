@@ -26,6 +26,7 @@ deadlock a 2-thread pool.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from gdp_jax._src.layout import chunk_decays, expand, from_chunks, to_chunks

@@ -36,13 +36,12 @@ the run goes on. The table is printed last.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import time
 import traceback
 
 
-from common import (SHAPE_SETS, HEADLINE, GpuMonitor, JaxRunner, Phases, TorchRunner,
+from common import (SHAPE_SETS, HEADLINE, GpuMonitor, JaxRunner, Phases, TorchRunner, add_ratios,
+                    run_shapes,
                     add_dtype_arg, add_timing_args, chunk_o_bytes, copy_bandwidth, fla_chunk_o_args,
                     floor_ms, fmt, load_baseline, log, make_problems, max_relative_error, measure,
                     ms_cell, on_cpu, parse_shapes, print_table, relative_errors, rested,
@@ -290,11 +289,8 @@ def rested_shape(row, problems, shp, args, ctx):
             row[f"{name}_error"] = short_exc(e)
             log(f"{name}: FAILED {short_exc(e)}")
             traceback.print_exc(limit=4)
-    for kind in ("sustained", "rested"):
-        if f"fla_{kind}_ms" in row and f"ours_{kind}_ms" in row:
-            row[f"fla_over_ours_{kind}"] = row[f"fla_{kind}_ms"] / row[f"ours_{kind}_ms"]
-        if f"baseline_{kind}_ms" in row and f"ours_{kind}_ms" in row:
-            row[f"new_over_old_{kind}"] = row[f"ours_{kind}_ms"] / row[f"baseline_{kind}_ms"]
+    add_ratios(row, ("sustained", "rested"), "fla_over_ours", "fla", "ours")
+    add_ratios(row, ("sustained", "rested"), "new_over_old", "ours", "baseline")
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -331,28 +327,17 @@ def main(argv=None):
     ctx = dict(gdp_jax=gdp_jax, baseline=baseline, fla=fla, ours=ours, phases=phases,
                bandwidth=bandwidth)
     run_shape = dict(fwd=forward_shape, bwd=backward_shape, rested=rested_shape)[mode]
-    rows = []
     try:
-        for si, shp in enumerate(shapes):
-            label = shape_label(shp)
-            row = dict(shape=label, dtype=args.dtype, chunk=args.chunk, gated=not args.no_g, **shp)
-            log(f"\n=== [{si + 1}/{len(shapes)}] {label} {args.dtype} ({mode}) ===")
-            start = time.perf_counter()
-            try:
-                problems = make_problems(shp, op="chunk_o", dtype=args.dtype, sets=args.sets,
-                                         chunk_size=args.chunk, gated=not args.no_g,
-                                         seed=args.seed * 1000 + si)
-                run_shape(row, problems, shp, args, ctx)
-            except Exception as e:  # noqa: BLE001
-                row["error"] = short_exc(e)
-                log(f"FAILED: {short_exc(e)}")
-                traceback.print_exc(limit=4)
-            row["wall_s"] = time.perf_counter() - start
-            rows.append(row)
-            problems = None
-            gc.collect()
-            if torch_mod is not None:
-                torch_mod.cuda.empty_cache()
+        rows = run_shapes(
+            shapes,
+            lambda shp: dict(shape=shape_label(shp), dtype=args.dtype, chunk=args.chunk,
+                             gated=not args.no_g, **shp),
+            lambda shp, si: make_problems(shp, op="chunk_o", dtype=args.dtype, sets=args.sets,
+                                          chunk_size=args.chunk, gated=not args.no_g,
+                                          seed=args.seed * 1000 + si),
+            lambda row, problems, shp: run_shape(row, problems, shp, args, ctx),
+            title=f"{args.dtype} ({mode})",
+            after=None if torch_mod is None else torch_mod.cuda.empty_cache)
     finally:
         phases.close()
     result = dict(meta=meta, copy_bandwidth=bandwidth, rows=rows)

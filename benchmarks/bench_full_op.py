@@ -36,11 +36,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
-import traceback
 
 
-from common import (SHAPE_SETS, Phases, TorchRunner, add_dtype_arg, add_timing_args,
+from common import (SHAPE_SETS, Phases, TorchRunner, add_dtype_arg, add_ratios, add_timing_args,
+                    run_shapes,
                     fla_full_op_args, fmt, load_baseline, log, make_problems, measure, ms_cell,
                     on_cpu, parse_shapes, print_table, relative_errors, run_meta, shape_label,
                     shape_sets_epilog, short_exc, time_into_row, timing_kwargs, try_load_fla,
@@ -223,11 +222,8 @@ def run_shape(row, problems, shp, args, ctx):
                 log("relerr vs fla failed:", short_exc(e))
         del fla_sets
         fla.torch.cuda.empty_cache()
-    for kind in ("fwd", "fwdbwd", "fwdbwd_ng"):
-        if f"fla_{kind}_ms" in row and f"ours_{kind}_ms" in row:
-            row[f"ours_over_fla_{kind}"] = row[f"ours_{kind}_ms"] / row[f"fla_{kind}_ms"]
-        if f"baseline_{kind}_ms" in row and f"ours_{kind}_ms" in row:
-            row[f"new_over_old_{kind}"] = row[f"ours_{kind}_ms"] / row[f"baseline_{kind}_ms"]
+    add_ratios(row, ("fwd", "fwdbwd", "fwdbwd_ng"), "ours_over_fla", "ours", "fla")
+    add_ratios(row, ("fwd", "fwdbwd", "fwdbwd_ng"), "new_over_old", "ours", "baseline")
 
 
 def main(argv=None):
@@ -247,24 +243,14 @@ def main(argv=None):
         f"fla {'yes' if fla else 'no'}; baseline {'yes' if baseline else 'no'}; rounds {args.rounds}")
     phases = Phases(cpu)
     ctx = dict(gdp_jax=gdp_jax, baseline=baseline, fla=fla, impl=impl, phases=phases)
-    rows = []
     try:
-        for si, shp in enumerate(shapes):
-            row = dict(shape=shape_label(shp), dtype=args.dtype, l2norm=args.l2norm, **shp)
-            log(f"\n=== [{si + 1}/{len(shapes)}] {row['shape']} {args.dtype} ===")
-            start = time.perf_counter()
-            try:
-                problems = make_problems(shp, op="full", dtype=args.dtype, sets=args.sets,
-                                         chunk_size=args.chunk, seed=args.seed * 1000 + si)
-                run_shape(row, problems, shp, args, ctx)
-            except Exception as e:  # noqa: BLE001
-                row["error"] = short_exc(e)
-                log(f"FAILED: {short_exc(e)}")
-                traceback.print_exc(limit=6)
-            row["wall_s"] = time.perf_counter() - start
-            rows.append(row)
-            problems = None
-            gc.collect()
+        rows = run_shapes(
+            shapes,
+            lambda shp: dict(shape=shape_label(shp), dtype=args.dtype, l2norm=args.l2norm, **shp),
+            lambda shp, si: make_problems(shp, op="full", dtype=args.dtype, sets=args.sets,
+                                          chunk_size=args.chunk, seed=args.seed * 1000 + si),
+            lambda row, problems, shp: run_shape(row, problems, shp, args, ctx),
+            title=args.dtype)
     finally:
         phases.close()
     result = dict(meta=meta, rows=rows)

@@ -840,6 +840,41 @@ def load_baseline(directory: str):
 
 
 # ------------------------------------------------------------------------------------------ output
+def add_ratios(row: dict, kinds, name: str, top: str, bottom: str) -> None:
+    """row[f"{name}_{kind}"] = row[f"{top}_{kind}_ms"] / row[f"{bottom}_{kind}_ms"] for each kind
+    where both times are there (e.g. name "new_over_old", top "ours", bottom "baseline")."""
+    for kind in kinds:
+        if f"{top}_{kind}_ms" in row and f"{bottom}_{kind}_ms" in row:
+            row[f"{name}_{kind}"] = row[f"{top}_{kind}_ms"] / row[f"{bottom}_{kind}_ms"]
+
+
+def run_shapes(shapes, new_row, build, run_shape, *, title: str = "", after=None) -> list:
+    """One row per shape: row = new_row(shape); run_shape(row, build(shape, index), shape). An
+    exception goes into row["error"] (logged, with its traceback) and the next shape runs; the
+    shape's wall time goes into row["wall_s"]; ``after()`` runs after each shape (cache frees)."""
+    rows = []
+    for si, shp in enumerate(shapes):
+        row = new_row(shp)
+        log(f"\n=== [{si + 1}/{len(shapes)}] {row['shape']} {title} ===")
+        start = time.perf_counter()
+        problems = None
+        try:
+            problems = build(shp, si)
+            run_shape(row, problems, shp)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = short_exc(e)
+            log(f"FAILED: {short_exc(e)}")
+            import traceback
+            traceback.print_exc(limit=6)
+        row["wall_s"] = time.perf_counter() - start
+        rows.append(row)
+        del problems
+        gc.collect()
+        if after is not None:
+            after()
+    return rows
+
+
 def log(*a):
     print(*a, flush=True)
 

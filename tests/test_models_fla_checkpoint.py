@@ -1,5 +1,5 @@
-"""A checkpoint fla itself made and saved (tests/data/fla_tiny/, written on an H200 by the device
-script fla_ckpt_gpu.py): our logits against fla's on its prompt, our greedy continuation against
+"""A checkpoint fla itself made and saved (tests/data/fla_tiny/, bfloat16, written on an H200 by
+tests/data/make_fla_tiny.py): our logits against fla's on its prompt, our greedy continuation against
 fla's ``generate``, and save -> load -> identical logits. Skipped while the directory is missing.
 
 Files: config.json + model.safetensors (fla's save_pretrained), fla_logits.npy ([B, T, V] float32,
@@ -29,9 +29,14 @@ FILES = ["config.json", "model.safetensors", "fla_logits.npy", "fla_greedy.json"
 missing = [f for f in FILES if not (DATA / f).is_file()]
 pytestmark = pytest.mark.skipif(
     bool(missing), reason=f"fla's tiny checkpoint is not committed yet: {DATA} lacks {missing} "
-                          "(the device script fla_ckpt_gpu.py writes it)")
+                          "(tests/data/make_fla_tiny.py writes it on a GPU)")
 
-BF16_TOL = 2e-2   # relative Frobenius: bf16 tolerance, as the issue asks (float32 gives ~1e-5)
+# Relative Frobenius. fla computed these logits in bfloat16 (its chunked op refuses float32), and
+# bf16 noise on this checkpoint is about 3-4 %: ours in bf16 is 3.7e-2 from ours in float32, fla's
+# own padded row is 2.8e-2 from the same row alone, and ours in float32 is 3.3e-2 from fla (flat
+# over positions, 1.6e-2 already at t = 0). A wrong model is far outside: the same weights with
+# allow_neg_eigval off give 0.73, norm_eps 1e-2 gives 1.35.
+BF16_TOL = 5e-2
 
 
 @pytest.fixture(scope="module")

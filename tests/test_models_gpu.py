@@ -1,6 +1,8 @@
 """GPU: fla's GatedDeltaProductForCausalLM built in torch on the fly, the same weights in ours (through
 fla's save_pretrained and our from_pretrained): logits, and one training step's gradients on an
-ungated config (fla's gated backward refuses on Triton 3.6 / Hopper). Needs torch and fla."""
+ungated config (fla's gated backward refuses on Triton 3.6 / Hopper). fla's chunked op refuses
+float32, so fla runs in bfloat16 and ours both in float32 compute (on fla's bf16 weights) and in
+bfloat16. Needs torch and fla."""
 
 import os
 
@@ -24,10 +26,11 @@ CONFIG = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2, 
               expand_v=2.0, intermediate_size=128, num_householder=2, use_forget_gate=True,
               allow_neg_eigval=True, initializer_range=0.1, pad_token_id=0,
               fuse_cross_entropy=False)
-TOL = 2e-2   # bf16 tolerance (fla's float32 Triton dots are TF32 by default)
+TOL = 5e-2        # relative Frobenius, bf16 logits (bf16 noise: tests/test_models_fla_checkpoint.py)
+GRAD_TOL = 5e-2   # relative Frobenius per parameter: fla's bf16 backward against float32 compute
 
 
-def _fla(config, seed, tmp_path, dtype=torch.float32):
+def _fla(config, seed, tmp_path, dtype=torch.bfloat16):
     torch.manual_seed(seed)
     model = fla_models.GatedDeltaProductForCausalLM(fla_models.GatedDeltaProductConfig(**config))
     model = model.to("cuda", dtype=dtype)
@@ -42,9 +45,9 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_match_fla(tmp_path, dtype):
-    tdtype, jdtype = getattr(torch, dtype), getattr(jnp, dtype)
-    model = _fla(CONFIG, 0, tmp_path, tdtype).eval()
-    ours = from_pretrained(tmp_path)
+    jdtype = getattr(jnp, dtype)
+    model = _fla(CONFIG, 0, tmp_path).eval()
+    ours = from_pretrained(tmp_path, param_dtype=jdtype)
     assert ours.model.embeddings.embedding.get_value().dtype == jdtype
     ids = np.random.default_rng(0).integers(3, 256, (2, 100))
     mask = np.ones_like(ids)
@@ -67,7 +70,7 @@ def test_training_step_gradients_match_fla(tmp_path):
     out = model(input_ids=t_ids, labels=t_ids, use_cache=False)
     out.loss.backward()
     want = {k: p.grad.float().cpu().numpy() for k, p in model.named_parameters()}
-    ours = from_pretrained(tmp_path)
+    ours = from_pretrained(tmp_path, param_dtype=jnp.float32)
 
     def loss_fn(m):
         logits = m(jnp.asarray(ids)).astype(jnp.float32)[:, :-1]
@@ -76,9 +79,9 @@ def test_training_step_gradients_match_fla(tmp_path):
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
     loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(ours)
-    assert abs(float(loss) - float(out.loss)) < 1e-3
+    assert abs(float(loss) - float(out.loss)) < 2e-2
     got = {fla_name(p): to_fla_layout(p, np.asarray(v.get_value(), np.float32))
            for p, v in nnx.to_flat_state(grads)}
     assert set(got) == set(want)
     errors = {k: _rel(got[k], want[k]) for k in want}
-    assert max(errors.values()) < TOL, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    assert max(errors.values()) < GRAD_TOL, sorted(errors.items(), key=lambda kv: -kv[1])[:5]

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if __name__ == "__main__":  # the subprocess: make gdp_jax and helpers importable without install
+if __name__ == "__main__":  # the subprocess: make gdp_jax and tests/cases.py importable without install
     sys.path[:0] = [ROOT, HERE]
 
 import gdp_jax  # noqa: E402

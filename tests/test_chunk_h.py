@@ -109,9 +109,9 @@ def reference_vjp(case, primals, cotangents):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(chunk_size, m, block_sizes, dot_dtype, residual_dtype):
+def _kernels(chunk_size, m, block_sizes, dot_dtype, residual_dtype, interpret):
     """jit(forward walk kernel -> h, v_new in ``residual_dtype``; then the backward kernels)."""
-    kw = dict(chunk_size=chunk_size, num_householder=m, interpret=True)
+    kw = dict(chunk_size=chunk_size, num_householder=m, interpret=interpret)
 
     @jax.jit
     def run(primals, cotangents):
@@ -125,10 +125,11 @@ def _kernels(chunk_size, m, block_sizes, dot_dtype, residual_dtype):
 
 
 def kernel_vjp(case, primals, cotangents, *, block_sizes=None, dot_dtype=jnp.float32,
-               residual_dtype=jnp.float32):
-    """The forward kernel's h and v_new (in ``residual_dtype``), then the backward kernels."""
+               residual_dtype=jnp.float32, interpret=True):
+    """The forward kernel's h and v_new (in ``residual_dtype``), then the backward kernels
+    (interpreted here; compiled in test_gpu.py)."""
     run = _kernels(case.chunk_size, case.m, block_sizes, jnp.dtype(dot_dtype),
-                   jnp.dtype(residual_dtype))
+                   jnp.dtype(residual_dtype), interpret)
     return dict(zip(NAMES, run(primals, cotangents)))
 
 

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 import gdp_jax
-from gdp_jax.ops.chunk_h import chunk_h_bwd_pallas, chunk_h_pallas
+from gdp_jax.ops.chunk_h import chunk_h_pallas
 from gdp_jax.ops.chunk_o import pallas_bwd
 from gdp_jax.ops.wy import wy_bwd_pallas, wy_pallas, wy_xla
 from cases import (CHUNK_O_NAMES, GRAD_NAMES, Case, assert_all_close, assert_close, build, case_id,
                    cotangent, dense_chunked_grads, recurrence_grads, rel_err, run_chunk_o,
                    tolerance)
-from test_chunk_h import NAMES as WALK_NAMES, reference_vjp as walk_reference_vjp, walk_inputs
+from test_chunk_h import kernel_vjp as walk_kernel_vjp, reference_vjp as walk_reference_vjp, walk_inputs
 from test_chunk_o_bwd import kernel_inputs
 from test_wy import NAMES as WY_NAMES, make_inputs as wy_inputs, reference_vjp as wy_reference_vjp
 from test_wy import wy_numpy
@@ -247,17 +247,8 @@ def test_walk_bwd(case, dot_dtype):
     if dot_dtype == "bfloat16":
         k, w, u, g, runs, state0 = primals
         primals = (k, w.astype(jnp.bfloat16), u, g, runs, state0)
-    kw = dict(chunk_size=case.chunk_size, num_householder=case.m)
-
-    @jax.jit
-    def kernels(primals, cotangents):
-        k, w, u, g, runs, state0 = primals
-        h, v_new, _ = chunk_h_pallas(k, w, u, g, runs, state0, h_dtype=dot_dtype,
-                                     v_new_dtype=dot_dtype, dot_dtype=dot_dtype, **kw)
-        return chunk_h_bwd_pallas(k, w, g, runs, h, v_new, *cotangents, dot_dtype=dot_dtype,
-                                  with_initial_state=state0 is not None, **kw)
-
-    got = dict(zip(WALK_NAMES, kernels(primals, cotangents)))
+    got = walk_kernel_vjp(case, primals, cotangents, dot_dtype=dot_dtype, residual_dtype=dot_dtype,
+                          interpret=False)
     assert_all_close(got, walk_reference_vjp(case, primals, cotangents), gpu_tol(dot_dtype))
 
 

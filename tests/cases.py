@@ -3,7 +3,8 @@ float64 references.
 
 A ``Case`` names a shape and the options of one problem; ``build(case)`` draws fresh random inputs
 for it (seeded by the case's id, so every case gets its own) and pushes them through SPEC's
-recurrence in float64 (``gdp_jax.reference.recurrence``). The result serves both the full op (its
+recurrence in float64 (``recurrence64``: numpy, no compiles; checked against the library's
+``gdp_jax.reference.recurrence`` in tests/test_full_op.py). The result serves both the full op (its
 raw inputs and the reference o and final state) and chunk_o (the recurrence's own h, v_new and g,
 which SPEC's identity says reproduce o). Inputs are rounded to the case's dtype *before* the
 reference sees them, so the reference is exact for what the op is given.
@@ -185,6 +186,48 @@ class Problem:
         return self.q, self.k, self.v, self.g_raw, self.beta
 
 
+def recurrence64(q, k, v, g_raw, beta, *, initial_state=None, segment_ids=None,
+                 chunk_size: int) -> dict:
+    """SPEC's recurrence in numpy float64, token by token: o, h, v_new, g and final_state as
+    ``gdp_jax.reference.recurrence`` returns them (there: ``RecurrenceOutputs``).
+
+    The forward references of the tests: a second statement of the recurrence, independent of the
+    library's (a ``lax.scan`` that autodiff goes through for the gradient references), and free of
+    XLA compiles, which cost the CPU suite a compile per shape. test_full_op.py checks the two
+    against each other.
+    """
+    q, k, v, beta = (np.asarray(x, np.float64) for x in (q, k, v, beta))
+    b, t, hd, kd = q.shape
+    m = k.shape[1] // t
+    vd = v.shape[-1]
+    g_raw = np.zeros((b, t, hd)) if g_raw is None else np.asarray(g_raw, np.float64)
+    state = (np.zeros((b, hd, kd, vd)) if initial_state is None
+             else np.array(initial_state, np.float64))
+    if segment_ids is None:
+        starts = np.zeros((b, t), bool)
+    else:
+        ids = np.asarray(segment_ids)
+        starts = np.concatenate([np.zeros((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    num_chunks = -(-t // chunk_size)
+    o, v_new = np.zeros((b, t, hd, vd)), np.zeros((b, t * m, hd, vd))
+    h = np.zeros((b, num_chunks, hd, kd, vd))
+    scale = kd ** -0.5
+    for i in range(t):
+        state[starts[:, i]] = 0.0                          # a segment carries nothing in
+        if i % chunk_size == 0:
+            h[:, i // chunk_size] = state                  # the state before the chunk's first token
+        state *= np.exp(g_raw[:, i])[..., None, None]      # the gate, once per token
+        for j in range(i * m, (i + 1) * m):                # M Householder steps
+            step = beta[:, j, :, None] * (v[:, j] - np.einsum("bhkv,bhk->bhv", state, k[:, j]))
+            state += k[:, j, :, :, None] * step[:, :, None, :]
+            v_new[:, j] = step
+        o[:, i] = scale * np.einsum("bhkv,bhk->bhv", state, q[:, i])
+    pad = num_chunks * chunk_size - t
+    chunks = np.pad(g_raw, ((0, 0), (0, pad), (0, 0))).reshape(b, num_chunks, chunk_size, hd)
+    g = (np.cumsum(chunks, axis=2) / np.log(2.0)).reshape(b, -1, hd)[:, :t]
+    return dict(o=o, h=h, v_new=v_new, g=g, final_state=state)
+
+
 def _l2norm64(x):
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
@@ -214,9 +257,8 @@ def _build(case: Case, seed: int, segment_ids: Optional[bytes], qk_l2norm: bool)
     else:
         seg = random_segment_ids(rng, b, t, case.chunk_size) if case.segments else None
     q_ref, k_ref = (_l2norm64(q), _l2norm64(k)) if qk_l2norm else (q, k)
-    out = reference.recurrence(q_ref, k_ref, v, g_raw, beta, initial_state=state0, segment_ids=seg,
-                               chunk_size=case.chunk_size, dtype=jnp.float64)
-    ref = {name: np.asarray(x) for name, x in out._asdict().items()}
+    ref = recurrence64(q_ref, k_ref, v, g_raw, beta, initial_state=state0, segment_ids=seg,
+                       chunk_size=case.chunk_size)
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     return Problem(
         case=case, q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype),
@@ -229,7 +271,7 @@ def _build(case: Case, seed: int, segment_ids: Optional[bytes], qk_l2norm: bool)
 
 def build(case: Case, *, seed: Optional[int] = None, segment_ids=None,
           qk_l2norm: bool = False) -> Problem:
-    """The problem of ``case`` (cached per process: the recurrence compiles once per shape).
+    """The problem of ``case`` (cached per process).
 
     ``segment_ids`` ([B, T] ints) replaces the random packing (the case must have segments=True);
     ``qk_l2norm`` gives raw q, k of varied norms and a reference on their L2-normalised values.

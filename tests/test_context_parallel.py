@@ -287,9 +287,8 @@ def worker() -> None:
     bare = _problem(gated=False, segments=None, initial_state=False, seed=6)
     cases = [
         ("(4,) seq: gate, segments, initial state", p, seq, dict()),
-        ("(4,) seq: no gate, segments or initial state; l2norm", bare, seq,
-         dict(use_qk_l2norm=True)),
-        ("(2,2) data x seq: gate, segments, initial state", p, grid, dict(batch_axis="data")),
+        ("(2,2) data x seq: no gate, segments or initial state; l2norm", bare, grid,
+         dict(batch_axis="data", use_qk_l2norm=True)),
         ("(2,2) heads x seq, forward", p, grid, dict(head_axis="data", grad=False)),
         ("(2,2) token_axis=('data', 'seq'), no final state", p, grid,
          dict(token_axis=("data", "seq"), grad=False, output_final_state=False)),

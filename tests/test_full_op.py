@@ -84,6 +84,24 @@ def test_stages_against_recurrence(implementation):
         assert_close(x, p.ref[name], tolerance("float32"), name)
 
 
+@pytest.mark.parametrize("case", [Case(77, 16, 24, 2, 16), Case(40, 8, 8, 3, 16, gated=False),
+                                  Case(33, 8, 16, 1, 32, segments=False, initial_state=False)],
+                         ids=lambda c: c.id)
+def test_library_reference_equals_the_tests_recurrence(case):
+    """gdp_jax.reference.recurrence (the lax.scan that the gradient references differentiate)
+    against cases.recurrence64 (the numpy loop behind every forward reference): o, h, v_new, g and
+    the final state, to float64 rounding, with and without g, segments and initial state."""
+    p = build(case)
+    raw = p.raw
+    out = reference.recurrence(raw["q"], raw["k"], raw["v"], raw["g_raw"], raw["beta"],
+                               initial_state=raw["initial_state"], segment_ids=raw["segment_ids"],
+                               chunk_size=case.chunk_size, dtype=jnp.float64)
+    for name, x in out._asdict().items():
+        assert x.dtype == jnp.float64, name
+        np.testing.assert_allclose(np.asarray(x), p.ref[name], rtol=1e-12, atol=1e-12,
+                                   err_msg=name)
+
+
 def test_reference_shares_the_cumsum():
     """The reference's g and the op's stage 1 are one function, not two copies that could drift."""
     assert reference.chunk_local_log2_cumsum is cumsum.chunk_local_log2_cumsum

@@ -218,10 +218,10 @@ def recurrence64(q, k, v, g_raw, beta, *, initial_state=None, segment_ids=None,
             h[:, i // chunk_size] = state                  # the state before the chunk's first token
         state *= np.exp(g_raw[:, i])[..., None, None]      # the gate, once per token
         for j in range(i * m, (i + 1) * m):                # M Householder steps
-            step = beta[:, j, :, None] * (v[:, j] - np.einsum("bhkv,bhk->bhv", state, k[:, j]))
+            step = beta[:, j, :, None] * (v[:, j] - (k[:, j, :, None, :] @ state)[:, :, 0])
             state += k[:, j, :, :, None] * step[:, :, None, :]
             v_new[:, j] = step
-        o[:, i] = scale * np.einsum("bhkv,bhk->bhv", state, q[:, i])
+        o[:, i] = scale * (q[:, i, :, None, :] @ state)[:, :, 0]
     pad = num_chunks * chunk_size - t
     chunks = np.pad(g_raw, ((0, 0), (0, pad), (0, 0))).reshape(b, num_chunks, chunk_size, hd)
     g = (np.cumsum(chunks, axis=2) / np.log(2.0)).reshape(b, -1, hd)[:, :t]

@@ -63,7 +63,10 @@ def test_logits_match_fla(tmp_path, dtype):
 
 
 def test_training_step_gradients_match_fla(tmp_path):
-    config = dict(CONFIG, use_forget_gate=False)
+    # fla 0.6.0's ungated backward faults at head_dim 32 on Triton 3.6 / H200 (illegal memory
+    # access in chunk_bwd_dqkwg's autotuning: results/2026-12-02_fla_bwd_head_dim_32_H200.log);
+    # it runs at K = V = 128, the shape of its benchmarked backward.
+    config = dict(CONFIG, use_forget_gate=False, head_dim=128, expand_v=1.0)
     model = _fla(config, 1, tmp_path).train()
     ids = np.random.default_rng(1).integers(3, 256, (2, 96))
     t_ids = torch.as_tensor(ids, device="cuda")

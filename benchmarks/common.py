@@ -298,6 +298,18 @@ def floor_ms(num_bytes: float, bandwidth: dict) -> float:
     return num_bytes / (gbps * 1e9) * 1e3 if gbps == gbps and gbps > 0 else float("nan")
 
 
+def roofline_ms(num_bytes: float, flops: float, bandwidth: dict, rate: dict) -> dict:
+    """A kernel's floor: the larger of its bytes over the copy bandwidth and its matrix FLOPs
+    over the measured matrix rate (``matmul_rate``), with which one binds."""
+    memory = floor_ms(num_bytes, bandwidth)
+    tflops = rate.get("TFLOPs", float("nan"))
+    compute = flops / (tflops * 1e12) * 1e3 if tflops == tflops and tflops > 0 else float("nan")
+    known = [x for x in (memory, compute) if x == x]
+    return dict(bytes=num_bytes, flops=flops, memory_ms=memory, compute_ms=compute,
+                floor_ms=max(known) if known else float("nan"),
+                bound="-" if not known else ("memory" if memory == max(known) else "compute"))
+
+
 def relative_error_fn():
     """A jitted ||a - b|| / ||b|| over all elements, in float32."""
     import jax
@@ -567,6 +579,28 @@ def copy_bandwidth(args, on_cpu, torch_mod=None):
     bws = [res[k] for k in ("jax_GBps", "torch_GBps") if k in res]
     res["GBps"] = max(bws) if bws else float("nan")
     return res
+
+
+def matmul_rate(args, on_cpu, dtype="bf16"):
+    """Dense matrix-multiply rate: one N x N by N x N product in ``dtype`` (N = 8192 on a GPU: the
+    tensor cores' rate, 2 N^3 FLOPs per call; 256 on a CPU), float32 accumulation.
+    (args: target_ms, reps, max_iters)."""
+    import jax
+    import jax.numpy as jnp
+    n = 256 if on_cpu else 8192
+    timing = dict(target_s=args.target_ms / 1e3, reps=args.reps, max_iters=args.max_iters)
+    if not on_cpu:
+        timing = dict(target_s=max(timing["target_s"], 0.1), reps=max(args.reps, 3),
+                      max_iters=max(args.max_iters, 200))
+    try:
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp_dtype(dtype))
+        b = jax.random.normal(jax.random.key(1), (n, n), jnp_dtype(dtype))
+        f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+        ms = min(time_jax(f, [(a, b)], **timing)[0] for _ in range(1 if on_cpu else 2))
+        return dict(TFLOPs=2 * n**3 / (ms / 1e3) / 1e12, ms=ms, n=n, dtype=parse_dtype(dtype))
+    except Exception as e:  # noqa: BLE001
+        log("matmul rate failed:", short_exc(e))
+        return dict(TFLOPs=float("nan"), n=n, dtype=parse_dtype(dtype))
 
 
 # ------------------------------------------------------------------------------------- GPU monitor

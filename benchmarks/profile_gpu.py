@@ -24,6 +24,10 @@ stream; residuals from ops.gated_delta_product.states_pallas, random cotangents)
   wy_bwd_pallas: the WY VJP kernel at the op's dots; wy_bwd_xla (ops.wy.xla.wy_bwd_xla) and
   wy_autodiff:   jax.vjp of ops.wy.xla.wy_xla, the jnp alternatives;
   chunk_o_fwd, chunk_o_bwd: the output stage's kernels.
+Each row's floor (common.roofline_ms) is the larger of the bytes it must move (its operands read
+once, its outputs written once: the first input set and jax.eval_shape of its outputs) over the
+measured copy bandwidth, and its matrix FLOPs (stage_dot_flops) over the measured dense matrix rate
+in --dtype (common.matmul_rate); "% floor" is floor / time.
 Launch-config sweeps of these kernels are tune.py's (--stage wy, walk, walk_bwd, wy_bwd, ...).
 Nothing is asserted; a failing row prints its error. The table is printed last.
 """
@@ -36,8 +40,41 @@ import gzip
 import json
 import os
 
-from common import (Phases, add_dtype_arg, fmt, log, make_problems, on_cpu,
-                    parse_shapes, print_table, run_meta, short_exc, time_jax, write_json)
+from common import (Phases, add_dtype_arg, copy_bandwidth, fmt, log, make_problems, matmul_rate,
+                    nbytes, on_cpu, parse_shapes, print_table, roofline_ms, run_meta, short_exc,
+                    time_jax, write_json)
+
+
+def stage_dot_flops(name: str, shp: dict, chunk: int) -> float:
+    """Matrix FLOPs of a stage row at shape ``shp`` (B, T, H, K, V, M), chunk ``chunk``: the dots
+    of the chunked algorithm over whole tiles, per (row, head) times B * H. With P = T * M
+    positions on the expanded stream and sub-chunks of S = min(chunk, 64) positions:
+      WY:      K K^T, then A (beta k) and A (beta v) on every sub-chunk: 2 P S (2K + V), and the
+               unit-triangular inverse, 2 P S^2 / 3;
+      walk:    w h and k^T v_new per sub-chunk: 4 P K V;
+      chunk_o: q k^T and A v_new over a token chunk's C * M positions, q h: 2 T (C M (K + V) + K V).
+    A backward does twice its forward's dots (every product's VJP is two products of its size):
+    the reverse walk alone (walk_kernel) as many as the forward walk, the walk's whole VJP (with
+    its epilogue) twice; the op's forward + backward three times its forward."""
+    b, t, h, k, m = (shp[c] for c in "BTHKM")
+    v = shp.get("V") or k
+    p, s = t * m, min(chunk, 64)
+    wy = 2 * p * s * (2 * k + v) + 2 * p * s * s / 3
+    walk = 4 * p * k * v
+    out = 2 * t * (chunk * m * (k + v) + k * v)
+    flops = dict(op_fwd=wy + walk + out, op_fwdbwd=3 * (wy + walk + out), states_fwd=wy + walk,
+                 states_fwd_rule=wy + walk, wy_fwd=wy, walk_fwd=walk, walk_kernel=walk,
+                 walk_bwd=2 * walk, wy_bwd_pallas=2 * wy, wy_bwd_xla=2 * wy, wy_autodiff=2 * wy,
+                 chunk_o_fwd=out, chunk_o_bwd=2 * out)
+    return float(b * h * flops[name])
+
+
+def io_bytes(fn, operands) -> int:
+    """Bytes of ``operands`` plus those of fn's outputs (from jax.eval_shape: nothing runs)."""
+    import jax
+    import numpy as np
+    outs = jax.tree_util.tree_leaves(jax.eval_shape(fn, *operands))
+    return nbytes(operands) + int(sum(np.prod(o.shape) * np.dtype(o.dtype).itemsize for o in outs))
 
 
 def gpu_kernel_times(trace_path: str, calls: int) -> list:
@@ -184,6 +221,10 @@ def stages_mode(args, shp, meta):
     import jax
     phases = Phases(on_cpu())
     rows = {}
+    bandwidth = copy_bandwidth(args, on_cpu())
+    rate = matmul_rate(args, on_cpu(), args.dtype)
+    log(f"copy bandwidth {bandwidth['GBps']:.0f} GB/s, {rate['dtype']} matrix rate "
+        f"{rate['TFLOPs']:.1f} TFLOP/s (N = {rate['n']})")
     try:
         for name, (fn, sets) in stage_functions(args, shp).items():
             if args.only and name not in args.only:
@@ -195,18 +236,26 @@ def stages_mode(args, shp, meta):
             try:
                 ms, info = time_jax(jax.jit(fn), sets, target_s=args.target_ms / 1e3, reps=args.reps,
                                     max_iters=args.max_iters, during=phases.during(name))
-                rows[name] = dict(ms=ms, timing=info)
-                log(f"{name:>16}: {ms:.4g} ms (N={info['n']}, first call {info['first_call_s']:.1f} s)")
+                floor = roofline_ms(io_bytes(fn, sets[0]), stage_dot_flops(name, shp, args.chunk),
+                                    bandwidth, rate)
+                rows[name] = dict(ms=ms, timing=info, **floor,
+                                  pct_floor=100.0 * floor["floor_ms"] / ms)
+                log(f"{name:>16}: {ms:.4g} ms (N={info['n']}, first call {info['first_call_s']:.1f} s), "
+                    f"floor {floor['floor_ms']:.4g} ms ({floor['bound']})")
                 phases.record(rows[name], "gpu", name)
             except Exception as e:  # noqa: BLE001
                 rows[name] = dict(error=short_exc(e))
                 log(f"{name:>16}: FAILED {rows[name]['error']}")
     finally:
         phases.close()
-    result = dict(meta=meta, shape=shp, chunk=args.chunk, rows=rows)
+    result = dict(meta=meta, shape=shp, chunk=args.chunk, bandwidth=bandwidth, matmul_rate=rate,
+                  rows=rows)
     write_json(args.out, result)
-    print_table(["stage", "ms", "first call s"],
+    print_table(["stage", "ms", "floor ms", "% floor", "bound", "MB moved", "GFLOP", "first call s"],
                 [[n, fmt(r.get("ms"), ".4f") if "ms" in r else "ERR " + r["error"][:60],
+                  fmt(r.get("floor_ms"), ".4f"), fmt(r.get("pct_floor"), ".1f"), r.get("bound", ""),
+                  fmt(r["bytes"] / 2**20 if "bytes" in r else None, ".1f"),
+                  fmt(r["flops"] / 1e9 if "flops" in r else None, ".2f"),
                   fmt(r.get("timing", {}).get("first_call_s"), ".1f")] for n, r in rows.items()],
                 f"{meta['device']} | jax {meta['jax']} | {args.shape} chunk {args.chunk} {args.dtype} "
                 f"| {args.impl}")
@@ -229,6 +278,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--target-ms", type=float, default=100.0)
     p.add_argument("--max-iters", type=int, default=50)
+    p.add_argument("--copy-mb", type=float, default=2048.0,
+                   help="--mode stages: size of the copy-bandwidth buffer in MB")
     p.add_argument("--only", default="",
                    help="comma-separated names: kernels: fwd, fwdbwd, fwdbwd_ng; stages: the rows above")
     p.add_argument("--out", default=None,

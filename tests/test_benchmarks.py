@@ -359,7 +359,42 @@ def test_profile_stages(tmp_path, capsys):
     assert set(result["rows"]) == {"states_fwd_rule", "wy_autodiff"}
     assert all(r["ms"] > 0 for r in result["rows"].values()), result["rows"]
     assert json.loads(out.read_text())["rows"]["wy_autodiff"]["ms"] > 0
-    assert "states_fwd_rule" in capsys.readouterr().out
+    assert result["bandwidth"]["GBps"] > 0 and result["matmul_rate"]["TFLOPs"] > 0
+    for name, row in result["rows"].items():
+        assert row["bytes"] > 0 and row["flops"] > 0 and row["bound"] in ("memory", "compute"), row
+        assert row["floor_ms"] == max(row["memory_ms"], row["compute_ms"]) > 0
+        assert row["pct_floor"] == pytest.approx(100 * row["floor_ms"] / row["ms"])
+    printed = capsys.readouterr().out
+    assert "states_fwd_rule" in printed
+    header = next(line for line in printed.splitlines() if line.startswith("stage"))
+    for column in ("floor ms", "% floor", "bound", "MB moved", "GFLOP"):
+        assert column in header, column
+
+
+def test_stage_floors_by_hand():
+    """stage_dot_flops against the counts written out for B=2 T=16 H=3 K=16 V=8 M=2, chunk 16
+    (P = 32 positions, sub-chunks S = 16), io_bytes and roofline_ms on numbers known here."""
+    profile, common = script("profile_gpu"), script("common")
+    shp = dict(B=2, T=16, H=3, K=16, V=8, M=2)
+    wy = 2 * 32 * 16 * (2 * 16 + 8) + 2 * 32 * 16 * 16 / 3
+    walk = 4 * 32 * 16 * 8
+    out = 2 * 16 * (16 * 2 * (16 + 8) + 16 * 8)
+    flops = lambda name: profile.stage_dot_flops(name, shp, 16) / 6        # per (row, head)
+    assert flops("wy_fwd") == pytest.approx(wy) and flops("walk_fwd") == walk
+    assert flops("chunk_o_fwd") == out and flops("chunk_o_bwd") == 2 * out
+    assert flops("op_fwd") == pytest.approx(wy + walk + out)
+    assert flops("op_fwdbwd") == pytest.approx(3 * (wy + walk + out))
+    assert profile.stage_dot_flops("walk_fwd", dict(shp, V=None), 16) == 6 * 4 * 32 * 16 * 16
+    import jax.numpy as jnp
+    x = jnp.zeros((10, 4), jnp.float32)
+    assert profile.io_bytes(lambda a, _: (a.astype(jnp.bfloat16), a[0]), (x, None)) == 160 + 80 + 16
+    memory = common.roofline_ms(2e9, 5e11, dict(GBps=1000.0), dict(TFLOPs=500.0))
+    assert memory["bound"] == "memory" and memory["floor_ms"] == pytest.approx(2.0)
+    assert memory["compute_ms"] == pytest.approx(1.0)
+    compute = common.roofline_ms(1e9, 2e12, dict(GBps=1000.0), dict(TFLOPs=500.0))
+    assert compute["bound"] == "compute" and compute["floor_ms"] == pytest.approx(4.0)
+    unknown = common.roofline_ms(1e9, 2e12, dict(GBps=float("nan")), dict(TFLOPs=float("nan")))
+    assert unknown["bound"] == "-" and unknown["floor_ms"] != unknown["floor_ms"]
 
 
 def test_profile_kernels_on_cpu_and_trace_parsing(tmp_path):

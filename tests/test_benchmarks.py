@@ -355,7 +355,7 @@ def test_profile_stages(tmp_path, capsys):
     out = tmp_path / "stages.json"
     result = script("profile_gpu").main(["--mode", "stages", "--shape", "B=1,T=16,H=1,K=16,M=2", "--chunk", "16",
                                      "--only", "states_fwd_rule,wy_autodiff", "--sets", "1",
-                                     "--reps", "1", "--target-ms", "1", "--out", str(out)])
+                                     "--reps", "1", "--target-ms", "1", "--out", str(out), *COPY])
     assert set(result["rows"]) == {"states_fwd_rule", "wy_autodiff"}
     assert all(r["ms"] > 0 for r in result["rows"].values()), result["rows"]
     assert json.loads(out.read_text())["rows"]["wy_autodiff"]["ms"] > 0

@@ -127,8 +127,8 @@ def worker() -> None:
     data, grid = _four_device_meshes()
     cases = [
         (grid, "data", "model", "xla", True),
-        # The Pallas kernels, forward (their custom_vjp under shard_map, interpreted: the
-        # context-parallel test's interpret case, which runs chunk_o's backward kernel too).
+        # The Pallas kernels, interpreted, forward only: chunk_o's backward kernel under
+        # shard_map runs in test_context_parallel.py's interpret gradients case.
         (grid, "data", "model", "interpret", False),
         (grid, "data", None, "xla", False),             # replicated over "model": same numbers
         (grid, ("data", "model"), None, "xla", False),  # B over both axes
@@ -153,8 +153,8 @@ def worker() -> None:
     assert all(_rel(d, d_ref) < 1e-5 for d, d_ref in zip(grads, grads_ref))
 
     # Control: the unwrapped Pallas op (interpreted) on the same sharded inputs is what
-    # gdp_jax.sharding exists for: XLA cannot split the kernel, so it all-gathers the operands. This also shows the HLO
-    # scan above would see an all-gather if there were one.
+    # gdp_jax.sharding exists for: XLA cannot split the kernel, so it all-gathers the operands.
+    # This also shows the HLO scan above would see an all-gather if there were one.
     args = [jax.device_put(p[n], NamedSharding(grid, specs[n])) for n in NAMES + ("segment_ids",)]
     plain = jax.jit(lambda *a: gdp_jax.chunk_gdp_fwd_o(*a[:5], segment_ids=a[5], chunk_size=16,
                                                        implementation="interpret"))

@@ -228,6 +228,30 @@ def recurrence64(q, k, v, g_raw, beta, *, initial_state=None, segment_ids=None,
     return dict(o=o, h=h, v_new=v_new, g=g, final_state=state)
 
 
+def stress_problem(tokens: int, heads: int, key_dim: int, value_dim: int, m: int, *,
+                   chunk_size: int = 64, dtype="bfloat16", seed: int = 0):
+    """One row where the recurrence is hardest to follow: unit keys with beta in (1.9, 2) (every
+    step close to a reflection, which keeps the state's norm), and gates in runs of 50 tokens,
+    either close to 0 (-1e-3..0: memory over thousands of tokens) or strongly negative (-8..-2:
+    chunk-local decay sums far below float32's exponent range). Returns (inputs, ref): the op's
+    arguments (q, k, v in ``dtype``, g_raw and beta float32) and recurrence64 of exactly those."""
+    rng = np.random.default_rng(seed)
+    rounded = lambda x: np.asarray(jnp.asarray(x, dtype), np.float64)
+    f32 = lambda x: np.asarray(x, np.float32).astype(np.float64)
+    q = rounded(rng.normal(size=(1, tokens, heads, key_dim)))
+    k = rng.normal(size=(1, tokens * m, heads, key_dim))
+    k = rounded(k / np.linalg.norm(k, axis=-1, keepdims=True))
+    v = rounded(rng.normal(size=(1, tokens * m, heads, value_dim)))
+    beta = f32(rng.uniform(1.9, 1.999, size=(1, tokens * m, heads)))
+    near_zero = np.repeat(rng.random(-(-tokens // 50)) < 0.5, 50)[:tokens][None, :, None]
+    g_raw = f32(np.where(near_zero, -rng.uniform(0.0, 1e-3, (1, tokens, heads)),
+                         -rng.uniform(2.0, 8.0, (1, tokens, heads))))
+    ref = recurrence64(q, k, v, g_raw, beta, chunk_size=chunk_size)
+    inputs = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+              jnp.asarray(g_raw, jnp.float32), jnp.asarray(beta, jnp.float32))
+    return inputs, ref
+
+
 def _l2norm64(x):
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 

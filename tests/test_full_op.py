@@ -21,7 +21,7 @@ from gdp_jax._src import dispatch
 from gdp_jax.ops import cumsum
 from gdp_jax.ops.gated_delta_product import states_jnp, states_pallas
 from cases import (GRAD_NAMES, Case, assert_all_close, assert_close, build, full_op_fn,
-                   recurrence_grads, run_full_op, tolerance)
+                   recurrence_grads, run_full_op, stress_problem, tolerance)
 
 IMPLEMENTATIONS = ["xla", "interpret"]
 BASE = Case(77, 32, 16, 2, 16)
@@ -100,6 +100,19 @@ def test_library_reference_equals_the_tests_recurrence(case):
         assert x.dtype == jnp.float64, name
         np.testing.assert_allclose(np.asarray(x), p.ref[name], rtol=1e-12, atol=1e-12,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("implementation,tokens", [("xla", 700), ("interpret", 300)])
+def test_beta_near_2_and_extreme_gates(implementation, tokens):
+    """cases.stress_problem (near-reflections, gates near 0 and down to -8 in runs), bf16: o and
+    the final state within SPEC's bf16 bound, every value finite (the GPU test_long_row_stress
+    runs it on one row of 65536 tokens)."""
+    inputs, ref = stress_problem(tokens, 2, 32, 16, 2)
+    o, final_state = jax.jit(functools.partial(
+        gdp_jax.chunk_gated_delta_product, output_final_state=True, chunk_size=64,
+        implementation=implementation))(*inputs)
+    assert_close(o, ref["o"], tolerance("bfloat16"), "o")
+    assert_close(final_state, ref["final_state"], tolerance("bfloat16"), "final_state")
 
 
 def test_reference_shares_the_cumsum():

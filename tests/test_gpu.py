@@ -24,7 +24,7 @@ from gdp_jax.ops.chunk_o import pallas_bwd
 from gdp_jax.ops.wy import wy_bwd_pallas, wy_pallas, wy_xla
 from cases import (CHUNK_O_NAMES, GRAD_NAMES, Case, assert_all_close, assert_close, build, case_id,
                    cotangent, dense_chunked_grads, recurrence_grads, rel_err, run_chunk_o,
-                   tolerance)
+                   stress_problem, tolerance)
 from test_chunk_h import kernel_vjp as walk_kernel_vjp, reference_vjp as walk_reference_vjp, walk_inputs
 from test_chunk_o_bwd import kernel_inputs
 from test_wy import NAMES as WY_NAMES, make_inputs as wy_inputs, reference_vjp as wy_reference_vjp
@@ -289,6 +289,23 @@ def test_full_op(case):
     for n in names:
         chex.assert_type(grads[n], primals[n].dtype)
     assert_all_close(grads, {n: expected[n] for n in names}, gpu_tol(case.dtype))
+
+
+def test_long_row_stress():
+    """One row of T = 65536 bf16 tokens (B = 1, H = 2, K = V = 128, M = 2) from
+    cases.stress_problem: beta in (1.9, 2), gates in runs near 0 and down to -8. o on three
+    windows of 4096 tokens (start, middle, end) and the final state against the float64
+    recurrence (numpy, the whole row), at SPEC's bf16 GPU bound; o finite everywhere."""
+    inputs, ref = stress_problem(65536, 2, 128, 128, 2)
+    o, final_state = jax.jit(functools.partial(
+        gdp_jax.chunk_gated_delta_product, output_final_state=True, chunk_size=64,
+        implementation="pallas"))(*inputs)
+    o = np.asarray(o, np.float32)
+    assert np.isfinite(o).all()
+    for start in (0, 30720, 61440):
+        window = slice(start, start + 4096)
+        assert_close(o[:, window], ref["o"][:, window], gpu_tol("bfloat16"), f"o[{start}:]")
+    assert_close(final_state, ref["final_state"], gpu_tol("bfloat16"), "final_state")
 
 
 def test_full_op_matches_fla_packed():

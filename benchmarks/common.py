@@ -543,6 +543,16 @@ def rested(runner, *, burst_ms: float, bursts: int, rest_s: float, est_ms: float
     return statistics.median(per_call), n
 
 
+def _calibration_timing(args, on_cpu) -> dict:
+    """time_jax's settings for the calibration loops (copy bandwidth, matrix rate): the script's,
+    and on a GPU long enough loops whatever the script's settings."""
+    timing = dict(target_s=args.target_ms / 1e3, reps=args.reps, max_iters=args.max_iters)
+    if not on_cpu:
+        timing = dict(target_s=max(timing["target_s"], 0.1), reps=max(args.reps, 3),
+                      max_iters=max(args.max_iters, 200))
+    return timing
+
+
 def copy_bandwidth(args, on_cpu, torch_mod=None):
     """Bytes read + written per second: a large jnp elementwise pass, and torch's copy_ when given;
     GBps is the larger (args: copy_mb, target_ms, reps, max_iters)."""
@@ -551,10 +561,7 @@ def copy_bandwidth(args, on_cpu, torch_mod=None):
     res = {}
     mb = min(args.copy_mb, 128.0) if on_cpu else args.copy_mb
     n = int(mb * 2**20) // 4
-    timing = dict(target_s=args.target_ms / 1e3, reps=args.reps, max_iters=args.max_iters)
-    if not on_cpu:   # long enough loops whatever the script's settings
-        timing = dict(target_s=max(timing["target_s"], 0.1), reps=max(args.reps, 3),
-                      max_iters=max(args.max_iters, 200))
+    timing = _calibration_timing(args, on_cpu)
     try:
         x = jnp.arange(n, dtype=jnp.float32)
         f = jax.jit(lambda a: a * 1.0009765625 + 1.0)  # elementwise: read n*4 bytes, write n*4 bytes
@@ -588,10 +595,7 @@ def matmul_rate(args, on_cpu, dtype="bf16"):
     import jax
     import jax.numpy as jnp
     n = 256 if on_cpu else 8192
-    timing = dict(target_s=args.target_ms / 1e3, reps=args.reps, max_iters=args.max_iters)
-    if not on_cpu:
-        timing = dict(target_s=max(timing["target_s"], 0.1), reps=max(args.reps, 3),
-                      max_iters=max(args.max_iters, 200))
+    timing = _calibration_timing(args, on_cpu)
     try:
         a = jax.random.normal(jax.random.key(0), (n, n), jnp_dtype(dtype))
         b = jax.random.normal(jax.random.key(1), (n, n), jnp_dtype(dtype))

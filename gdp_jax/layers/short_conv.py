@@ -28,10 +28,12 @@ def _same_segment_taps(segment_ids: Optional[jax.Array], batch: int, tokens: int
 class ShortConvolution(nnx.Module):
     """Causal depthwise 1-D convolution over T followed by SiLU (fla's ShortConvolution).
 
-    Wraps ``nnx.Conv`` (``feature_group_count = channels``, ``VALID`` padding after an explicit
-    left pad of W-1 zeros). Kernel: [W, 1, C]; tap W-1 is the current token (fla's Conv1d weight
-    [C, 1, W] transposed). ``use_bias``: a per-channel bias [C] added before the SiLU (fla's
-    ``conv_bias``); off by default.
+    Holds its weights in an ``nnx.Conv`` (kernel [W, 1, C]; tap W-1 is the current token: fla's
+    Conv1d weight [C, 1, W] transposed; ``use_bias``: a per-channel bias [C] added before the
+    SiLU, fla's ``conv_bias``, off by default) but applies them as W shifted multiply-adds
+    accumulated in float32 (or wider), as fla's causal-conv kernel does: one fused elementwise
+    pass, where a grouped convolution with C groups is cuDNN's slow path (about 70 % of a
+    156M LM's prefill at batch 128 on an H200: benchmarks/RESULTS.md).
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, *, rngs: nnx.Rngs,
@@ -48,27 +50,28 @@ class ShortConvolution(nnx.Module):
         With segment_ids [B, T], taps whose source token lies in another segment read zero (as
         if each segment were its own zero-padded sequence)."""
         width = self.kernel_size
-        if segment_ids is None:
-            xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
-            return jax.nn.silu(self.conv(xp))
         batch, tokens, _ = x.shape
-        mask = _same_segment_taps(segment_ids, batch, tokens, width)  # [B, T, W]
         xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
-        windows = jnp.stack([xp[:, i:i + tokens] for i in range(width)], axis=2)  # [B, T, W, C]
-        windows = jnp.where(mask[..., None], windows, jnp.zeros((), x.dtype))
-        return jax.nn.silu(self._apply_windows(windows))
+        taps = [xp[:, i:i + tokens] for i in range(width)]  # oldest first, each [B, T, C]
+        if segment_ids is not None:
+            mask = _same_segment_taps(segment_ids, batch, tokens, width)  # [B, T, W]
+            taps = [jnp.where(mask[..., i, None], t, jnp.zeros((), t.dtype))
+                    for i, t in enumerate(taps)]
+        return self._apply_taps(taps)
 
-    def _apply_windows(self, windows: jax.Array) -> jax.Array:
-        """windows [..., W, C] (oldest first) -> [..., C], the conv applied to each window."""
+    def _apply_taps(self, taps) -> jax.Array:
+        """W arrays [..., C] (oldest first) -> silu(sum_i taps[i] * kernel[i] + bias) [..., C]."""
         kernel = self.conv.kernel[...][:, 0, :]  # [W, C]
-        dtype = self.conv.dtype or jnp.result_type(windows.dtype, kernel.dtype)
-        y = jnp.einsum("...wc,wc->...c", windows.astype(dtype), kernel.astype(dtype),
-                       precision=jax.lax.Precision.HIGHEST)
+        dtype = self.conv.dtype or jnp.result_type(taps[0].dtype, kernel.dtype)
+        acc_dtype = jnp.promote_types(dtype, jnp.float32)
+        kernel = kernel.astype(acc_dtype)
+        y = sum(t.astype(acc_dtype) * kernel[i] for i, t in enumerate(taps))
         if self.use_bias:
-            y = y + self.conv.bias[...].astype(dtype)
-        return y
+            y = y + self.conv.bias[...].astype(acc_dtype)
+        return jax.nn.silu(y).astype(dtype)
 
     def step(self, x_t: jax.Array, conv_state: jax.Array):
         """x_t [B, C], conv_state [B, W-1, C] -> (silu(conv) [B, C], new conv_state [B, W-1, C])."""
         windows = jnp.concatenate([conv_state, x_t[:, None].astype(conv_state.dtype)], axis=1)
-        return jax.nn.silu(self._apply_windows(windows)), windows[:, 1:]
+        y = self._apply_taps([windows[:, i] for i in range(self.kernel_size)])
+        return y, windows[:, 1:]

@@ -333,3 +333,27 @@ def test_generate_rejects_bad_arguments(hybrid):
         generate(hybrid, jnp.ones((4,), jnp.int32), 2)
     with pytest.raises(TypeError, match="model"):
         generate(object(), ids, 2)
+
+
+def test_generate_sees_new_weights_between_calls():
+    """generate caches each model's split: values assigned in place and a swapped submodule must
+    both reach the next call (its tokens stay the full forward's argmax)."""
+    model = _model(seed=3)
+    prompts = [list(range(5, 12)), [30, 31, 32]]
+
+    def check():
+        out = generate(model, prompts, 4)
+        for b, logits in enumerate(_step_logits(model, prompts, out.tokens)):
+            np.testing.assert_array_equal(np.argmax(logits, axis=-1), out.tokens[b])
+        return np.asarray(out.tokens)
+
+    before = check()
+    kernel = model.lm_head.kernel
+    kernel.set_value(jax.random.normal(jax.random.key(7), kernel.get_value().shape,
+                                       kernel.get_value().dtype))
+    in_place = check()
+    assert not np.array_equal(in_place, before)
+    model.lm_head = nnx.Linear(kernel.get_value().shape[0], VOCAB, use_bias=False,
+                               rngs=nnx.Rngs(11))
+    swapped = check()
+    assert not np.array_equal(swapped, in_place)

@@ -16,10 +16,16 @@ anywhere; each row's real tokens form its prompt).
 Two compiled programs per shape: the prefill (``model.prefill``: the chunked op over the prompt,
 the first token) and the decode loop (``model.step`` per token inside ``lax.while_loop``; the
 model's parameters and cache stay on the device, no Python per token).
+
+The model's structure (``nnx.split``'s graph traversal, tens of milliseconds for a 12-layer
+model) is read once per model and kept while the model lives; each call re-reads the values of
+the same Variables, so training between calls is seen, and a call that finds a Variable
+replaced (a submodule swapped, new weights assigned as new Variables) splits again.
 """
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -77,15 +83,69 @@ def sample_logits(logits: jax.Array, key: Optional[jax.Array], *, greedy: bool,
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+class _Split:
+    """One model's nnx.split: the graphdef, the state's treedef, and the live Variables behind
+    the state's leaves (in leaf order, with their paths). Hashed by identity, so that jit's
+    cache lookup on it (a static argument) does not hash the graphdef."""
+    __slots__ = ("graphdef", "treedef", "paths", "variables")
+
+    def __init__(self, model):
+        self.graphdef, state = nnx.split(model)
+        self.paths = [path for path, _ in nnx.to_flat_state(state)]
+        _, self.treedef = jax.tree.flatten(state)
+        self.variables = [_lookup(model, path) for path in self.paths]
+        if len(self.variables) != self.treedef.num_leaves:     # one array per Variable
+            raise AssertionError("generate: a Variable with other than one array leaf")
+
+    def leaves(self, model) -> Optional[list]:
+        """The current values of the model's Variables, or None if any is no longer the one
+        cached (the model's structure changed)."""
+        out = []
+        for path, cached in zip(self.paths, self.variables):
+            try:
+                live = _lookup(model, path)
+            except (AttributeError, KeyError, IndexError, TypeError):
+                return None
+            if live is not cached:
+                return None
+            value = live.get_raw_value()   # get_value's checks cost ~6 us a Variable
+            out.append(value if isinstance(value, (jax.Array, np.ndarray)) else live.get_value())
+        return out
+
+    def state(self, leaves):
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _lookup(node, path):
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    return node
+
+
+_SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _split(model) -> tuple:
+    """(_Split, leaves) for model, reusing the split cached for it while its Variables are the
+    same objects."""
+    entry = _SPLITS.get(model)
+    leaves = None if entry is None else entry.leaves(model)
+    if leaves is None:
+        entry = _Split(model)
+        _SPLITS[model] = entry
+        leaves = entry.leaves(model)
+    return entry, leaves
+
+
 def _is_eos(tokens, eos: jax.Array):
     """tokens [B], eos [E] int32 (-1 entries match nothing) -> [B] bool."""
     return jnp.any(tokens[:, None] == eos[None, :], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_length", "greedy", "top_k"))
-def _prefill(graphdef, state, input_ids, attention_mask, key, temperature, eos, *, cache_length,
+@functools.partial(jax.jit, static_argnames=("split", "cache_length", "greedy", "top_k"))
+def _prefill(split, leaves, input_ids, attention_mask, key, temperature, eos, *, cache_length,
              greedy, top_k):
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(split.graphdef, split.state(leaves))
     logits, cache = model.prefill(input_ids, attention_mask=attention_mask,
                                   cache_length=cache_length)
     key, sub = jax.random.split(key)
@@ -93,10 +153,10 @@ def _prefill(graphdef, state, input_ids, attention_mask, key, temperature, eos, 
     return first, cache, _is_eos(first, eos), key
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k"))
-def _decode(graphdef, state, first, cache, done, key, temperature, pad, eos, *, max_new_tokens,
+@functools.partial(jax.jit, static_argnames=("split", "max_new_tokens", "greedy", "top_k"))
+def _decode(split, leaves, first, cache, done, key, temperature, pad, eos, *, max_new_tokens,
             greedy, top_k):
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(split.graphdef, split.state(leaves))
     batch = first.shape[0]
     out = jnp.full((batch, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
 
@@ -206,17 +266,17 @@ def generate(model: GatedDeltaProductForCausalLM,
                              f"{list(attention_mask.shape)}")
         attention_mask = attention_mask.astype(jnp.int32)
 
-    graphdef, state = nnx.split(model)
+    split, leaves = _split(model)
     tokens_in = input_ids.shape[1]
     temp = jnp.asarray(1.0 if greedy else temperature, jnp.float32)
     eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)   # -1 matches no token
     first, cache, done, key = _prefill(
-        graphdef, state, input_ids, attention_mask, key, temp, eos_ids,
+        split, leaves, input_ids, attention_mask, key, temp, eos_ids,
         cache_length=tokens_in + max_new_tokens, greedy=greedy, top_k=top_k)
     if max_new_tokens == 1:
         tokens = first[:, None]
     else:
-        tokens = _decode(graphdef, state, first, cache, done, key, temp,
+        tokens = _decode(split, leaves, first, cache, done, key, temp,
                          jnp.asarray(pad_token_id, jnp.int32), eos_ids,
                          max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k)
     is_eos = jnp.any(tokens[..., None] == eos_ids, axis=-1)

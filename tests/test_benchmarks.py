@@ -21,7 +21,7 @@ sys.path.insert(0, str(BENCHMARKS))
 QUICK = ["--target-ms", "2", "--reps", "2"]
 COPY = ["--copy-mb", "4"]
 SCRIPTS = {"common.py", "bench_chunk_o.py", "bench_full_op.py", "bench_sharding.py", "tune.py",
-           "profile_gpu.py", "codegen.py", "bench_generate.py"}
+           "profile_gpu.py", "codegen.py", "bench_generate.py", "profile_lm_prefill.py"}
 
 
 def script(name):
@@ -55,6 +55,15 @@ def baseline_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("baseline")
     shutil.copytree(ROOT / "gdp_jax", root / "gdp_jax", ignore=shutil.ignore_patterns("__pycache__"))
     return root
+
+
+def test_profile_lm_prefill_help():
+    """profile_lm_prefill.py imports (gdp_jax.models, profile_gpu) and parses its command line;
+    a run on CPU takes ~50 s of model init and tracing, too long for what it would check."""
+    import subprocess
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "profile_lm_prefill.py"), "--help"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--layers" in done.stdout, done.stderr
 
 
 def test_bench_generate_help():

@@ -32,8 +32,8 @@ class ShortConvolution(nnx.Module):
     Conv1d weight [C, 1, W] transposed; ``use_bias``: a per-channel bias [C] added before the
     SiLU, fla's ``conv_bias``, off by default) but applies them as W shifted multiply-adds
     accumulated in float32 (or wider), as fla's causal-conv kernel does: one fused elementwise
-    pass, where a grouped convolution with C groups is cuDNN's slow path (about 70 % of a
-    156M LM's prefill at batch 128 on an H200: benchmarks/RESULTS.md).
+    pass, where a grouped convolution with C groups is cuDNN's slow path (benchmarks/RESULTS.md,
+    the causal LM's prefill).
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, *, rngs: nnx.Rngs,

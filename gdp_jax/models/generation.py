@@ -20,7 +20,8 @@ model's parameters and cache stay on the device, no Python per token).
 The model's structure (``nnx.split``'s graph traversal, tens of milliseconds for a 12-layer
 model) is read once per model and kept while the model lives; each call re-reads the values of
 the same Variables, so training between calls is seen, and a call that finds a Variable
-replaced (a submodule swapped, new weights assigned as new Variables) splits again.
+replaced (a submodule swapped, new weights assigned as new Variables) splits again. Models of
+one structure (same config, dtypes and shapes) share the compiled programs.
 """
 from __future__ import annotations
 
@@ -83,18 +84,41 @@ def sample_logits(logits: jax.Array, key: Optional[jax.Array], *, greedy: bool,
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+class _Structure:
+    """A model's graphdef and its state's treedef: jit's static argument. One instance per
+    distinct structure (``_structure``), hashed by identity, so that jit's cache lookup does not
+    hash the graphdef on every call and models of one architecture share compiled programs."""
+    __slots__ = ("graphdef", "treedef")
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef = graphdef, treedef
+
+    def merge(self, leaves):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
+_STRUCTURES: dict = {}
+
+
+def _structure(graphdef, treedef) -> _Structure:
+    key = (graphdef, treedef)
+    if key not in _STRUCTURES:
+        _STRUCTURES[key] = _Structure(graphdef, treedef)
+    return _STRUCTURES[key]
+
+
 class _Split:
-    """One model's nnx.split: the graphdef, the state's treedef, and the live Variables behind
-    the state's leaves (in leaf order, with their paths). Hashed by identity, so that jit's
-    cache lookup on it (a static argument) does not hash the graphdef."""
-    __slots__ = ("graphdef", "treedef", "paths", "variables")
+    """One model's nnx.split: its _Structure and the live Variables behind the state's leaves
+    (in leaf order, with their paths)."""
+    __slots__ = ("structure", "paths", "variables")
 
     def __init__(self, model):
-        self.graphdef, state = nnx.split(model)
+        graphdef, state = nnx.split(model)
         self.paths = [path for path, _ in nnx.to_flat_state(state)]
-        _, self.treedef = jax.tree.flatten(state)
+        _, treedef = jax.tree.flatten(state)
+        self.structure = _structure(graphdef, treedef)
         self.variables = [_lookup(model, path) for path in self.paths]
-        if len(self.variables) != self.treedef.num_leaves:     # one array per Variable
+        if len(self.variables) != treedef.num_leaves:     # one array per Variable
             raise AssertionError("generate: a Variable with other than one array leaf")
 
     def leaves(self, model) -> Optional[list]:
@@ -112,9 +136,6 @@ class _Split:
             out.append(value if isinstance(value, (jax.Array, np.ndarray)) else live.get_value())
         return out
 
-    def state(self, leaves):
-        return jax.tree.unflatten(self.treedef, leaves)
-
 
 def _lookup(node, path):
     for key in path:
@@ -126,15 +147,15 @@ _SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _split(model) -> tuple:
-    """(_Split, leaves) for model, reusing the split cached for it while its Variables are the
-    same objects."""
+    """(_Structure, leaves) for model, reusing the split cached for it while its Variables are
+    the same objects."""
     entry = _SPLITS.get(model)
     leaves = None if entry is None else entry.leaves(model)
     if leaves is None:
         entry = _Split(model)
         _SPLITS[model] = entry
         leaves = entry.leaves(model)
-    return entry, leaves
+    return entry.structure, leaves
 
 
 def _is_eos(tokens, eos: jax.Array):
@@ -142,10 +163,10 @@ def _is_eos(tokens, eos: jax.Array):
     return jnp.any(tokens[:, None] == eos[None, :], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("split", "cache_length", "greedy", "top_k"))
-def _prefill(split, leaves, input_ids, attention_mask, key, temperature, eos, *, cache_length,
+@functools.partial(jax.jit, static_argnames=("structure", "cache_length", "greedy", "top_k"))
+def _prefill(structure, leaves, input_ids, attention_mask, key, temperature, eos, *, cache_length,
              greedy, top_k):
-    model = nnx.merge(split.graphdef, split.state(leaves))
+    model = structure.merge(leaves)
     logits, cache = model.prefill(input_ids, attention_mask=attention_mask,
                                   cache_length=cache_length)
     key, sub = jax.random.split(key)
@@ -153,10 +174,10 @@ def _prefill(split, leaves, input_ids, attention_mask, key, temperature, eos, *,
     return first, cache, _is_eos(first, eos), key
 
 
-@functools.partial(jax.jit, static_argnames=("split", "max_new_tokens", "greedy", "top_k"))
-def _decode(split, leaves, first, cache, done, key, temperature, pad, eos, *, max_new_tokens,
+@functools.partial(jax.jit, static_argnames=("structure", "max_new_tokens", "greedy", "top_k"))
+def _decode(structure, leaves, first, cache, done, key, temperature, pad, eos, *, max_new_tokens,
             greedy, top_k):
-    model = nnx.merge(split.graphdef, split.state(leaves))
+    model = structure.merge(leaves)
     batch = first.shape[0]
     out = jnp.full((batch, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
 
@@ -266,17 +287,17 @@ def generate(model: GatedDeltaProductForCausalLM,
                              f"{list(attention_mask.shape)}")
         attention_mask = attention_mask.astype(jnp.int32)
 
-    split, leaves = _split(model)
+    structure, leaves = _split(model)
     tokens_in = input_ids.shape[1]
     temp = jnp.asarray(1.0 if greedy else temperature, jnp.float32)
     eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)   # -1 matches no token
     first, cache, done, key = _prefill(
-        split, leaves, input_ids, attention_mask, key, temp, eos_ids,
+        structure, leaves, input_ids, attention_mask, key, temp, eos_ids,
         cache_length=tokens_in + max_new_tokens, greedy=greedy, top_k=top_k)
     if max_new_tokens == 1:
         tokens = first[:, None]
     else:
-        tokens = _decode(split, leaves, first, cache, done, key, temp,
+        tokens = _decode(structure, leaves, first, cache, done, key, temp,
                          jnp.asarray(pad_token_id, jnp.int32), eos_ids,
                          max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k)
     is_eos = jnp.any(tokens[..., None] == eos_ids, axis=-1)

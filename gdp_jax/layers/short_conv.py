@@ -72,6 +72,6 @@ class ShortConvolution(nnx.Module):
 
     def step(self, x_t: jax.Array, conv_state: jax.Array):
         """x_t [B, C], conv_state [B, W-1, C] -> (silu(conv) [B, C], new conv_state [B, W-1, C])."""
-        windows = jnp.concatenate([conv_state, x_t[:, None].astype(conv_state.dtype)], axis=1)
-        y = self._apply_taps([windows[:, i] for i in range(self.kernel_size)])
-        return y, windows[:, 1:]
+        x_t = x_t.astype(conv_state.dtype)
+        y = self._apply_taps([conv_state[:, i] for i in range(self.kernel_size - 1)] + [x_t])
+        return y, jnp.concatenate([conv_state, x_t[:, None]], axis=1)[:, 1:]   # W = 1: [B, 0, C]

@@ -20,8 +20,10 @@ model's parameters and cache stay on the device, no Python per token).
 The model's structure (``nnx.split``'s graph traversal, tens of milliseconds for a 12-layer
 model) is read once per model and kept while the model lives; each call re-reads the values of
 the same Variables, so training between calls is seen, and a call that finds a Variable
-replaced (a submodule swapped, new weights assigned as new Variables) splits again. Models of
-one structure (same config, dtypes and shapes) share the compiled programs.
+replaced (a submodule swapped, new weights assigned as new Variables) splits again. Static
+attributes (a layer's ``implementation``, ``chunk_size``) are read with the split: after changing
+one in place, pass ``nnx.clone(model)``. Models of one structure (same config, dtypes and shapes)
+share the compiled programs.
 """
 from __future__ import annotations
 

@@ -61,12 +61,11 @@ import jax.numpy as jnp  # noqa: E402
 
 from gdp_jax.models import from_pretrained, generate  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import LM_CONFIG  # noqa: E402
+
 DEV = "cuda"
-CONFIG = dict(vocab_size=32000, hidden_size=768, num_hidden_layers=ARGS.layers, num_heads=6,
-              head_dim=128, expand_v=1.0, num_householder=2, use_forget_gate=True,
-              allow_neg_eigval=True, use_short_conv=True, conv_size=4, use_output_gate=True,
-              hidden_ratio=4, norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
-              bos_token_id=1, eos_token_id=2)
+CONFIG = dict(LM_CONFIG, num_hidden_layers=ARGS.layers)
 T0 = time.time()
 
 

@@ -298,6 +298,14 @@ def floor_ms(num_bytes: float, bandwidth: dict) -> float:
     return num_bytes / (gbps * 1e9) * 1e3 if gbps == gbps and gbps > 0 else float("nan")
 
 
+# The ~156M GatedDeltaProduct LM of bench_generate.py and profile_lm_prefill.py (fla's config names).
+LM_CONFIG = dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_heads=6,
+                 head_dim=128, expand_v=1.0, num_householder=2, use_forget_gate=True,
+                 allow_neg_eigval=True, use_short_conv=True, conv_size=4, use_output_gate=True,
+                 hidden_ratio=4, norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2)
+
+
 def roofline_ms(num_bytes: float, flops: float, bandwidth: dict, rate: dict) -> dict:
     """A kernel's floor: the larger of its bytes over the copy bandwidth and its matrix FLOPs
     over the measured matrix rate (``matmul_rate``), with which one binds."""

@@ -99,6 +99,21 @@ def gpu_kernel_times(trace_path: str, calls: int) -> list:
                   key=lambda r: -r[1])
 
 
+def traced_kernel_times(fn, fn_args, calls: int, trace_dir: str):
+    """gpu_kernel_times of ``calls`` calls of fn(*fn_args) (compiled and warm already) traced under
+    trace_dir; None (logged) if the profiler wrote no perfetto trace."""
+    import jax
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            out = fn(*fn_args)
+        jax.block_until_ready(out)
+    traces = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not traces:
+        log(f"no perfetto trace under {trace_dir}")
+        return None
+    return gpu_kernel_times(sorted(traces)[-1], calls)
+
+
 def op_fns(p, impl):
     """{fwd, fwdbwd, fwdbwd_ng}: (fn, args) of the full op on Problem p."""
     import jax
@@ -129,19 +144,12 @@ def kernels_mode(args, shp, meta):
             continue
         try:
             jax.block_until_ready(fn(*fn_args))                      # compile and warm up
-            trace_dir = os.path.join(args.out, name)
-            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                for _ in range(args.calls):
-                    out = fn(*fn_args)
-                jax.block_until_ready(out)
+            rows = traced_kernel_times(fn, fn_args, args.calls, os.path.join(args.out, name))
         except Exception as e:  # noqa: BLE001
             log(f"{name}: FAILED {short_exc(e)}")
             continue
-        traces = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-        if not traces:
-            log(f"{name}: no perfetto trace under {trace_dir}")
+        if rows is None:
             continue
-        rows = gpu_kernel_times(sorted(traces)[-1], args.calls)
         tables[name] = rows
         log(f"{name}: {sum(r[1] for r in rows):.3f} ms of GPU events per call, {len(rows)} kernels")
     result = dict(meta=meta, shape=shp, chunk=args.chunk, tables=tables)

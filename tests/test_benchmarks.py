@@ -57,25 +57,19 @@ def baseline_dir(tmp_path_factory):
     return root
 
 
-def test_profile_lm_prefill_help():
-    """profile_lm_prefill.py imports (gdp_jax.models, profile_gpu) and parses its command line;
-    a run on CPU takes ~50 s of model init and tracing, too long for what it would check."""
+@pytest.mark.parametrize("name,flag", [("bench_generate.py", "--budget-s"),
+                                       ("profile_lm_prefill.py", "--layers")])
+def test_gpu_scripts_parse_their_command_line(name, flag):
+    """bench_generate.py needs torch, fla and a GPU to run; profile_lm_prefill.py a GPU (on a CPU
+    ~50 s of model init and tracing, for no kernel rows). Both import and parse --help here."""
     import subprocess
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "profile_lm_prefill.py"), "--help"],
+    done = subprocess.run([sys.executable, str(BENCHMARKS / name), "--help"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "--layers" in done.stdout, done.stderr
-
-
-def test_bench_generate_help():
-    """bench_generate.py needs torch, fla and a GPU to run; its command line parses without them."""
-    import subprocess
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_generate.py"), "--help"],
-                          cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0 and "--budget-s" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0 and flag in done.stdout, done.stderr[-2000:]
 
 
 def test_the_scripts_and_their_imports():
-    """Seven scripts and one input builder, and no private gdp_jax names (only the public API and
+    """Eight scripts and one input builder, and no private gdp_jax names (only the public API and
     the documented stage API: gdp_jax.ops...)."""
     assert {p.name for p in BENCHMARKS.glob("*.py")} == SCRIPTS
     private = re.compile(r"gdp_jax(\.\w+)*\._\w|from gdp_jax[\w.]* import [^\n]*\b_\w|_states_pallas|"

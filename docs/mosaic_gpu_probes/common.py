@@ -16,3 +16,7 @@ def run_probe(name, fn):
     print(f"[{name}] FAIL wall={time.perf_counter()-t0:.2f}s {type(e).__name__}: {str(e)[:1500]}", flush=True)
     traceback.print_exc()
     mgi.reset_gpu_interpret_mode_state()
+
+# SMEM tiles of 64 bf16 columns (128 bytes): 8-row tiling and 128-byte swizzle, as jax's examples
+SW = 128; SWE = SW // 2
+TR = (plgpu.TilingTransform((8, SWE)), plgpu.SwizzleTransform(SW))

@@ -1,6 +1,4 @@
 from common import *
-SW = 128; SWE = SW // 2   # 64 bf16 elems = 128 bytes
-TR = (plgpu.TilingTransform((8, SWE)), plgpu.SwizzleTransform(SW))
 M = N = K = 64
 
 def matmul_kernel(a_gmem, b_gmem, o_gmem, a_smem, b_smem, o_smem, bar):

@@ -1,6 +1,4 @@
 from common import *
-SW = 128; SWE = SW // 2
-TR = (plgpu.TilingTransform((8, SWE)), plgpu.SwizzleTransform(SW))
 M = N = K = 64
 ka, kb = jax.random.split(jax.random.key(0))
 a = jax.random.normal(ka, (M, K), jnp.bfloat16)

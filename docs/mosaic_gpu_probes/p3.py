@@ -1,6 +1,4 @@
 from common import *
-SW = 128; SWE = SW // 2
-TR = (plgpu.TilingTransform((8, SWE)), plgpu.SwizzleTransform(SW))
 T = 64; G = 4; KT = 4  # grid of G row tiles; K loop of KT chunks
 M, K, N = G*T, KT*T, T
 ka, kb = jax.random.split(jax.random.key(0))

@@ -1,6 +1,4 @@
 from common import *
-SW = 128; SWE = SW // 2
-TR = (plgpu.TilingTransform((8, SWE)), plgpu.SwizzleTransform(SW))
 
 def p4a():  # emit_pipeline elementwise over 4 column blocks
   x = jnp.arange(64*256, dtype=jnp.float32).reshape(64, 256)

@@ -1,6 +1,4 @@
 from common import *
-SW = 128; SWE = SW // 2
-TR = (plgpu.TilingTransform((8, SWE)), plgpu.SwizzleTransform(SW))
 M = N = K = 64
 
 def _mm_kernel(a_gmem, b_gmem, o_gmem, a_smem, b_smem, bar):

@@ -57,75 +57,6 @@ class BlockSizes:
     the 15 substitution steps, favours small programs: 2 warps (RESULTS.md, "WY kernel")."""
     num_warps: int = 2
     num_stages: int = 1
-    wide: bool = False     # experiment: _wy_wide_kernel (16-bit inputs)
-    skip: str = ""         # experiment: "subst", "reshape", "offdiag" skip parts of it (wrong w, u)
-
-
-def _wy_wide_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref, *,
-                    sub_chunk: int, skip: str = ""):
-    """16-bit inputs: the same solve on whole [S, S] tiles (one gram dot, one application dot per
-    output); only the diagonal blocks' substitution runs at 16 x 16."""
-    f32 = jnp.float32
-    nb = sub_chunk // _BLOCK
-    dt = k_ref.dtype
-    has_g, has_segments = gamma_ref is not None, runs_ref is not None
-    square = (sub_chunk, sub_chunk)
-    rows = jax.lax.broadcasted_iota(jnp.int32, square, 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, square, 1)
-    keys = k_ref[...]
-    beta = beta_ref[...].astype(f32)
-    mask = rows > cols
-    if has_segments:
-        run = runs_ref[...]
-        mask &= run[:, None] == run[None, :]
-    gram = plgpu.dot(keys, keys, trans_b=True)                                  # [S, S] f32
-    coeff = beta[:, None] * jnp.ones((1, sub_chunk), f32)
-    if has_g:
-        gamma = gamma_ref[...]
-        coeff *= jnp.exp2(jnp.where(mask, gamma[:, None] - gamma[None, :], 0.0))
-    a = jnp.where(mask, coeff * gram, 0.0)
-
-    four = (nb, _BLOCK, nb, _BLOCK)
-    same_block = (jax.lax.broadcasted_iota(jnp.int32, four, 0)
-                  == jax.lax.broadcasted_iota(jnp.int32, four, 2))
-    a_diag = jnp.sum(jnp.where(same_block, a.reshape(four), 0.0), axis=2)       # [nb, 16, 16]
-    stacked = (nb, _BLOCK, _BLOCK)
-    r3 = jax.lax.broadcasted_iota(jnp.int32, stacked, 1)
-    c3 = jax.lax.broadcasted_iota(jnp.int32, stacked, 2)
-
-    def substitute(step, t_diag):
-        a_row = jnp.sum(jnp.where(r3 == step, a_diag, 0.0), axis=1)
-        new_row = -jnp.sum(a_row[:, :, None] * t_diag, axis=1)
-        return t_diag + jnp.where(r3 == step, new_row[:, None, :], 0.0)
-
-    if "subst" in skip:
-        t_diag = a_diag + (r3 == c3).astype(f32)
-    else:
-        t_diag = jax.lax.fori_loop(1, _BLOCK, substitute, (r3 == c3).astype(f32))
-    if "reshape" in skip:
-        d = a + (rows == cols).astype(f32)
-    else:
-        d = jnp.where(same_block, t_diag[:, :, None, :], 0.0).reshape(square)  # block-diagonal
-    t = d
-    if nb > 1 and "offdiag" not in skip:
-        block_row, block_col = rows // _BLOCK, cols // _BLOCK
-        a_off = jnp.where(block_row > block_col, a, 0.0)
-        for i in range(1, nb):    # block row i of T: -T_ii sum_{j<i} A_ij T_j.
-            acc = plgpu.dot(jnp.where(block_row == i, a_off, 0.0), t)
-            t = t - plgpu.dot(d, acc)
-    if inverse_ref is not None:
-        inverse_ref[...] = t.astype(inverse_ref.dtype)
-
-    scale_w = beta
-    if has_g:
-        scale_w = scale_w * jnp.exp2(gamma)
-    if has_segments:
-        scale_w = jnp.where(run == runs_ref[0], scale_w, 0.0)
-    t16 = t.astype(dt)
-    rhs_w = (keys.astype(f32) * scale_w[:, None]).astype(dt)
-    rhs_u = (v_ref[...].astype(f32) * beta[:, None]).astype(dt)
-    w_ref[...] = plgpu.dot(t16, rhs_w).astype(w_ref.dtype)
-    u_ref[...] = plgpu.dot(t16, rhs_u).astype(u_ref.dtype)
 
 
 def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref, *,
@@ -243,12 +174,8 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
                  jax.ShapeDtypeStruct((batch, positions, heads, sub_chunk), jnp.float32)
                  if return_inverse else None)
     out_specs = (rows(key_dim), rows(value_dim), rows(sub_chunk) if return_inverse else None)
-    if sizes.wide and jnp.dtype(k.dtype).itemsize == 2:
-        kernel = functools.partial(_wy_wide_kernel, sub_chunk=sub_chunk, skip=sizes.skip)
-    else:
-        kernel = functools.partial(_wy_kernel, sub_chunk=sub_chunk)
     w, u, inverse = triton_call(
-        kernel, *operands, name="gdp_wy_fwd",
+        functools.partial(_wy_kernel, sub_chunk=sub_chunk), *operands, name="gdp_wy_fwd",
         grid=(heads, positions // sub_chunk, batch), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, num_warps=sizes.num_warps, num_stages=sizes.num_stages,
         interpret=interpret)

@@ -49,6 +49,14 @@ SETS = {"default": [dict(B=8, T=4096, H=16, K=128, V=128, M=2),
                     dict(B=8, T=4096, H=16, K=128, V=128, M=2, segs=8),
                     dict(B=8, T=4096, H=16, K=128, V=128, M=1),
                     dict(B=8, T=4096, H=16, K=128, V=128, M=3)],
+        # the full-op speed targets' shapes: M = 1..3, K = V = 64 and 256, ~16 segments a row, one long row
+        "targets": [dict(B=8, T=4096, H=16, K=128, V=128, M=2),
+                    dict(B=8, T=4096, H=16, K=128, V=128, M=1),
+                    dict(B=8, T=4096, H=16, K=128, V=128, M=3),
+                    dict(B=4, T=8192, H=32, K=64, V=64, M=2),
+                    dict(B=2, T=16384, H=16, K=256, V=256, M=2),
+                    dict(B=8, T=4096, H=16, K=128, V=128, M=2, segs=16),
+                    dict(B=1, T=65536, H=16, K=128, V=128, M=2)],
         **SHAPE_SETS, "quick": [dict(B=8, T=4096, H=16, K=128, V=128, M=2)]}
 OURS_COLUMNS = ["ours_fwd", "ours_fwdbwd", "ours_fwdbwd_ng", "xla_fwd", "stage_states", "stage_o"]
 BASELINE_COLUMNS = ["baseline_fwd", "baseline_fwdbwd", "baseline_fwdbwd_ng"]

@@ -200,7 +200,7 @@ def test_wy_forward(dtype):
 
 
 @pytest.mark.parametrize("dtype,gated,segments,dots", [
-    ("float32", True, True, "ieee"),           # the op's float32 choice (HIGHEST)
+    ("float32", True, True, "tf32x3"),         # the op's float32 choice (dispatch.wy_bwd_dots)
     ("float16", True, True, "tf32"),           # float16: TF32 dots
     ("bfloat16", True, True, "bf16"),          # bfloat16: bf16 operands
 ])
@@ -209,7 +209,8 @@ def test_wy_bwd(dtype, gated, segments, dots):
     S=64, each dot path the op uses (dispatch.wy_bwd_dots)."""
     primals, cotangents = wy_inputs(sub_chunk=64, num_sub_chunks=64, key_dim=128, value_dim=128,
                                     gated=gated, segments=segments, dtype=dtype, heads=4)
-    kw = dict(ieee=dict(precision=jax.lax.Precision.HIGHEST), tf32=dict(precision=None),
+    kw = dict(tf32x3=dict(precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3),
+              tf32=dict(precision=None),
               bf16=dict(precision=None, operand_dtype=jnp.bfloat16))[dots]
 
     @jax.jit
@@ -265,7 +266,7 @@ def test_walk_bwd(case, dot_dtype):
 def test_full_op(case):
     """o and the final state against the recurrence, and the gradients in every input against
     float64 autodiff of it: the Pallas path's custom_vjps compiled (walk VJP kernels; the WY VJP
-    kernel for 16-bit inputs, wy_bwd_xla for float32; chunk_o's backward kernel)."""
+    kernel, TF32x3 for float32; chunk_o's backward kernel)."""
     p = build(case)
     do, dfinal, expected = recurrence_grads(p)
     names = [n for n in GRAD_NAMES if expected[n] is not None]

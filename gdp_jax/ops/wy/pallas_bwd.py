@@ -46,8 +46,9 @@ redone here and every step is a whole-tile dot on tensor cores. Per program (one
   4. key columns again: dRw = T^T dw, P1 = F K, P2 = F^T (beta K), dk, sums k·dRw, k·P1, k·P2;
      then dbeta and dgamma.
 
-Every dot takes float32 operands at ``precision`` (None: TF32 tensor cores; HIGHEST: IEEE float32),
-or, with ``operand_dtype``, operands rounded to that 16-bit dtype with float32 accumulation, as fla's
+Every dot takes float32 operands at ``precision`` (None: TF32 tensor cores; ``TF32X3``: three TF32
+passes, float32-level products, run as HIGHEST by the interpreter; HIGHEST: IEEE float32, FMA loops
+that spill when compiled), or, with ``operand_dtype``, operands rounded to that 16-bit dtype with float32 accumulation, as fla's
 WY backward does (``_src.dispatch.wy_bwd_dots`` picks per input dtype).
 
 Grid (H, sub-chunks, B), heads fastest; each program owns one sub-chunk and writes only its rows.
@@ -64,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._src.layout import tile_width
-from gdp_jax._src.pallas import HIGHEST, LN2, triton_call
+from gdp_jax._src.pallas import LN2, TF32X3, float32_dots, triton_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +151,7 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
         dgamma_ref[...] = LN2 * (beta * k_dot_p1 - k_dot_p2 + scale_w * k_dot_drw)
 
 
-def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, precision=HIGHEST,
+def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, precision=TF32X3,
                   operand_dtype=None, dk_accumulate: Sequence[jax.Array] = (),
                   out_dtype=jnp.float32, interpret: bool = False,
                   block_sizes: Optional[BlockSizes] = None):
@@ -203,6 +204,8 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
                  None if gamma is None else jax.ShapeDtypeStruct((batch, positions, heads), f32))
     out_specs = (rows(key_dim), rows(value_dim), per_position,
                  None if gamma is None else per_position)
+    if precision == TF32X3:
+        precision = float32_dots(interpret)
     kernel = functools.partial(
         _wy_bwd_kernel, sub_chunk=sub_chunk, block_cols=sizes.block_cols, precision=precision,
         operand_dtype=None if operand_dtype is None else jnp.dtype(operand_dtype))

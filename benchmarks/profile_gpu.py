@@ -9,7 +9,8 @@
 ungated) --calls times under ``jax.profiler.trace(create_perfetto_trace=True)``, then sums the
 duration of every event on the GPU's stream timelines by name (Pallas kernels carry their
 ``name=``, XLA fusions their HLO names) per call. Device time per kernel: the sum is less than the
-wall-clock times of the bench scripts (launch gaps are not counted). Tables largest first, JSON
+wall-clock times of the bench scripts (launch gaps are not counted). --l2norm: the op with
+use_qk_l2norm=True (the XLA passes of the normalisation and their gradients among the kernels). Tables largest first, JSON
 (kernels.json) and the raw traces under --out (a directory).
 
 --mode stages: the stages of the op's Pallas path alone, each jitted and timed like the bench
@@ -114,15 +115,16 @@ def traced_kernel_times(fn, fn_args, calls: int, trace_dir: str):
     return gpu_kernel_times(sorted(traces)[-1], calls)
 
 
-def op_fns(p, impl):
-    """{fwd, fwdbwd, fwdbwd_ng}: (fn, args) of the full op on Problem p."""
+def op_fns(p, impl, l2norm=False):
+    """{fwd, fwdbwd, fwdbwd_ng}: (fn, args) of the full op on Problem p (``use_qk_l2norm=l2norm``)."""
     import jax
     import jax.numpy as jnp
 
     from gdp_jax import chunk_gated_delta_product
 
     op = lambda q, k, v, g, beta, s: chunk_gated_delta_product(
-        q, k, v, g, beta, segment_ids=s, chunk_size=p.chunk_size, implementation=impl)[0]
+        q, k, v, g, beta, segment_ids=s, chunk_size=p.chunk_size, use_qk_l2norm=l2norm,
+        implementation=impl)[0]
     loss = lambda q, k, v, g, beta, s, do: jnp.sum(op(q, k, v, g, beta, s).astype(jnp.float32)
                                                    * do.astype(jnp.float32))
     args = (p.q, p.k, p.v, p.g, p.beta, p.segment_ids, p.do)
@@ -139,7 +141,7 @@ def kernels_mode(args, shp, meta):
     (p,) = make_problems(shp, op="full", dtype=args.dtype, sets=1, chunk_size=args.chunk)
     os.makedirs(args.out, exist_ok=True)
     tables = {}
-    for name, (fn, fn_args) in op_fns(p, args.impl).items():
+    for name, (fn, fn_args) in op_fns(p, args.impl, args.l2norm).items():
         if args.only and name not in args.only:
             continue
         try:
@@ -178,7 +180,7 @@ def stage_functions(args, shp):
                if not args.only or args.only & {"chunk_o_fwd", "chunk_o_bwd"} else None)
     p = full[0]
     fns = {}
-    for name, (fn, _) in op_fns(p, args.impl).items():
+    for name, (fn, _) in op_fns(p, args.impl, args.l2norm).items():
         if name != "fwdbwd_ng":
             fns[f"op_{name}"] = (fn, [(q.q, q.k, q.v, q.g, q.beta, q.segment_ids, q.do) for q in full])
     stage = dict(chunk_size=args.chunk, num_householder=shp["M"], interpret=interpret)
@@ -276,6 +278,8 @@ def main(argv=None):
                    help="one shape, 'B=..,T=..,H=..,K=..[,V=..],M=..[,segs=..]'")
     add_dtype_arg(p)
     p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--l2norm", action="store_true",
+                   help="the op's rows with use_qk_l2norm=True (the stages' rows are unchanged)")
     p.add_argument("--calls", type=int, default=5, help="--mode kernels: calls traced per function")
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU logic check)")
     p.add_argument("--impl", default=None, choices=["pallas", "interpret", "xla"],

@@ -9,9 +9,9 @@
 ungated) --calls times under ``jax.profiler.trace(create_perfetto_trace=True)``, then sums the
 duration of every event on the GPU's stream timelines by name (Pallas kernels carry their
 ``name=``, XLA fusions their HLO names) per call. Device time per kernel: the sum is less than the
-wall-clock times of the bench scripts (launch gaps are not counted). --l2norm: the op with
-use_qk_l2norm=True (the XLA passes of the normalisation and their gradients among the kernels). Tables largest first, JSON
-(kernels.json) and the raw traces under --out (a directory).
+wall-clock times of the bench scripts (launch gaps are not counted). Tables largest first, JSON
+(kernels.json) and the raw traces under --out (a directory). --l2norm: the op with
+use_qk_l2norm=True (the normalisation's XLA passes and their gradients among the kernels).
 
 --mode stages: the stages of the op's Pallas path alone, each jitted and timed like the bench
 scripts (common.time_jax), on the operands the op gives them (the sub-chunk grid of the expanded

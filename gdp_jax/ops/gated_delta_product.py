@@ -67,8 +67,8 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       implementation: "pallas", "xla", "interpret" or None, as for chunk_gdp_fwd_o: "xla" is jnp
         throughout; "pallas" (GPU) and "interpret" run the WY, state-walk and output stages as
         Pallas kernels, forward and backward (float32 inputs: the WY kernels' dots are TF32x3,
-        float32-level, the other kernels' TF32, within SPEC's GPU tolerance). Under "pallas", K or V above 256
-        run the jnp stages, and so does chunk_o where its kernels would not fit (see
+        float32-level, the other kernels' TF32, within SPEC's GPU tolerance). Under "pallas",
+        K or V above 256 run the jnp stages, and so does chunk_o where its kernels would not fit (see
         chunk_gdp_fwd_o).
 
     Returns:

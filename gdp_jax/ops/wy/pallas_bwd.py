@@ -48,8 +48,8 @@ redone here and every step is a whole-tile dot on tensor cores. Per program (one
 
 Every dot takes float32 operands at ``precision`` (None: TF32 tensor cores; ``TF32X3``: three TF32
 passes, float32-level products, run as HIGHEST by the interpreter; HIGHEST: IEEE float32, FMA loops
-that spill when compiled), or, with ``operand_dtype``, operands rounded to that 16-bit dtype with float32 accumulation, as fla's
-WY backward does (``_src.dispatch.wy_bwd_dots`` picks per input dtype).
+that spill when compiled), or, with ``operand_dtype``, operands rounded to that 16-bit dtype with
+float32 accumulation, as fla's WY backward does (``_src.dispatch.wy_bwd_dots`` picks per input dtype).
 
 Grid (H, sub-chunks, B), heads fastest; each program owns one sub-chunk and writes only its rows.
 """

@@ -317,14 +317,14 @@ class WyBwd(Wy):
         return pallas_bwd.BlockSizes()
 
     def call(self, sizes, options, shape, p, interpret):
+        import jax
         import jax.numpy as jnp
         from gdp_jax.ops.wy.pallas_bwd import wy_bwd_pallas
         grid = self.grid[0]
         precision, operand = grid["wy_bwd"]["precision"], grid["wy_bwd"]["operand_dtype"]
         if options.get("precision") is not None:
-            from gdp_jax._src.pallas import HIGHEST, TF32X3
-            precision = {"highest": HIGHEST, "default": None,
-                         "tf32x3": TF32X3}[str(options["precision"]).lower()]
+            precision = {"highest": jax.lax.Precision.HIGHEST, "default": None,
+                         "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}[str(options["precision"]).lower()]
         if options.get("operand_dtype") is not None:
             operand = None if options["operand_dtype"] == "float32" else jnp.dtype(options["operand_dtype"])
         return lambda k, v, beta, gamma, runs, inverse, dw, du: wy_bwd_pallas(

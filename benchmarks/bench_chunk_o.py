@@ -7,13 +7,15 @@ Run on a GPU box from the repo root:
     PYTHONPATH=. python benchmarks/bench_chunk_o.py --bwd --out $OUT/bwd.json # backward
     PYTHONPATH=. python benchmarks/bench_chunk_o.py --rested --shapes "B=2,T=16384,H=16,K=256,V=256,M=2"
     PYTHONPATH=. python benchmarks/bench_chunk_o.py --baseline /tmp/old       # old against new
+    PYTHONPATH=. python benchmarks/bench_chunk_o.py --impls pallas,mosaic,xla,fla   # Mosaic beside Triton
     PYTHONPATH=. python benchmarks/bench_chunk_o.py --shapes tiny --impls xla,interpret   # CPU logic check
 
 Modes (inputs: common.make_problems, --sets independent sets rotated through every timed loop so
 the L2 never holds a working set; ours jitted and timed by wall clock, fla by CUDA events on the
 same buffers through dlpack; common.measure has the method):
 
-* forward (default): chunk_gdp_fwd_o per --impls (pallas, xla = the jnp path, interpret), fla's
+* forward (default): chunk_gdp_fwd_o per --impls (pallas, mosaic, xla = the jnp path, interpret,
+  mosaic_interpret; "mosaic" gets its own columns, with mosaic/ours < 1 where it is faster), fla's
   chunk_gated_delta_product_fwd_o (also triton.testing.do_bench, JSON only), the bandwidth floor
   (q, k, v, h, g, segment ids read once, o written once, over the copy bandwidth measured here);
   "% floor" = floor / ours, fla/ours > 1 means ours is faster. Relative error of ours against the
@@ -49,7 +51,7 @@ from common import (SHAPE_SETS, HEADLINE, GpuMonitor, JaxRunner, Phases, TorchRu
                     timing_kwargs, to_torch, try_load_fla, write_json)
 
 SETS = {"default": HEADLINE, **SHAPE_SETS}
-OURS = ("pallas", "xla", "interpret")
+OURS = ("pallas", "xla", "interpret", "mosaic", "mosaic_interpret")
 
 
 def parse_args(argv=None):
@@ -60,8 +62,9 @@ def parse_args(argv=None):
     add_dtype_arg(p)
     p.add_argument("--chunk", type=int, default=64, help="chunk size (default 64)")
     p.add_argument("--impls", default="pallas,xla,fla",
-                   help="comma list of pallas, xla, interpret, fla (default pallas,xla,fla); "
-                        "'ours' is pallas, else interpret, else xla")
+                   help="comma list of pallas, mosaic, xla, interpret, mosaic_interpret, fla "
+                        "(default pallas,xla,fla); 'ours' is the first of pallas, mosaic, "
+                        "interpret, mosaic_interpret, xla given")
     p.add_argument("--no-g", action="store_true", help="without the decay g")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--bwd", action="store_true", help="forward + backward (jax.vjp) instead of the forward")
@@ -119,7 +122,7 @@ def bwd_kernel_fn(impl, shp, chunk):
     import jax
     from gdp_jax.ops.chunk_o.pallas_bwd import chunk_o_bwd_pallas
     kw = dict(scale=shp["K"] ** -0.5, chunk_size=chunk, num_householder=shp["M"],
-              interpret=impl == "interpret")
+              interpret=impl in ("interpret", "mosaic_interpret"))
     return jax.jit(lambda q, k, v, h, g, runs, do: chunk_o_bwd_pallas(q, k, v, h, g, runs, do, **kw))
 
 
@@ -303,7 +306,8 @@ def main(argv=None):
     cpu = on_cpu()
     mode = "bwd" if args.bwd else "rested" if args.rested else "fwd"
     meta = run_meta(args, mode=mode)
-    ours = next((i for i in ("pallas", "interpret", "xla") if i in args.impls), None)
+    ours = next((i for i in ("pallas", "mosaic", "interpret", "mosaic_interpret", "xla")
+                 if i in args.impls), None)
     log(f"jax {meta['jax']} on {meta['device']} ({meta['platform']}); mode {mode}; dtype {args.dtype}; "
         f"chunk {args.chunk}; impls {args.impls}; ours {ours}; sets {args.sets}; rounds {args.rounds}")
     if cpu and "pallas" in args.impls:
@@ -358,6 +362,9 @@ def print_forward(rows, meta, bandwidth, ours):
     baseline = any("baseline_ms" in r or "baseline_error" in r for r in rows)
     hdr = ["shape", "dtype", "ours ms", "% floor", "xla ms", "fla ms", "fla/ours", "floor ms"]
     hdr += ["old ms", "new/old"] if baseline else []
+    mosaic = next((n for n in ("mosaic", "mosaic_interpret") if n != ours and any(
+        f"{n}_ms" in r or f"{n}_error" in r for r in rows)), None)
+    hdr += ["mosaic ms", "mosaic % floor", "mosaic/ours"] if mosaic else []
     hdr += ["relerr ours/xla", "relerr fla", "SM MHz, power cap"]
     lines = []
     for r in rows:
@@ -367,6 +374,11 @@ def print_forward(rows, meta, bandwidth, ours):
                 ms_cell(r, "xla"), ms_cell(r, "fla"), fmt(r.get("fla_over_ours"), ".2f"),
                 fmt(r.get("floor_ms"))]
         line += [ms_cell(r, "baseline"), fmt(r.get("new_over_old"), ".3f")] if baseline else []
+        if mosaic:
+            ratio = (r[f"{mosaic}_ms"] / r[f"{ours}_ms"]
+                     if f"{mosaic}_ms" in r and f"{ours}_ms" in r else None)
+            line += [ms_cell(r, mosaic), fmt(r.get(f"{mosaic}_pct_floor"), ".1f"),
+                     fmt(ratio, ".3f")]
         line += [fmt(r.get(f"{ours}_relerr_vs_xla"), ".2e"),
                  fmt(fla_rel, ".2e") if not r.get("segs") else ("n/a" if "fla_ms" in r else "-"),
                  f"{gpu['sm_mhz_median']:.0f}, {gpu['power_capped']:.0%}" if gpu else "-"]

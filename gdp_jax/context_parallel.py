@@ -101,7 +101,8 @@ class BlockPass(NamedTuple):
 def split_block_pass(key_dim: int, value_dim: int, dtype, implementation: str) -> bool:
     """Whether ``block_pass`` runs as two calls: on the Pallas path, where the extended width V+K
     would leave the kernels' range (``dispatch.KERNEL_MAX_WIDTH``) but K and V alone fit."""
-    return (implementation == "pallas" and dispatch.kernel_dtype_supported(dtype)
+    return (dispatch.triton_counterpart(implementation) == "pallas"
+            and dispatch.kernel_dtype_supported(dtype)
             and dispatch.kernel_widths_supported(key_dim, value_dim)
             and dispatch.kernel_widths_supported(key_dim, key_dim)
             and not dispatch.kernel_widths_supported(key_dim, value_dim + key_dim))

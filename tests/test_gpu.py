@@ -1,7 +1,8 @@
-"""The compiled Triton kernels (implementation="pallas", or the kernel functions with
-interpret=False) on an NVIDIA GPU, at realistic shapes (T <= 4096), against float64 references at
-SPEC's GPU bounds (tolerance(dtype, "gpu"): TF32 dots for float32 inputs, 2e-3; 16-bit inputs,
-2e-2). Every test is marked ``gpu`` (skipped without a GPU by conftest.py); run them with
+"""The compiled kernels (implementation="pallas": Triton, or the kernel functions with
+interpret=False; implementation="mosaic": chunk_o's Mosaic GPU forward) on an NVIDIA GPU, at
+realistic shapes (T <= 4096), against float64 references at SPEC's GPU bounds
+(tolerance(dtype, "gpu"): TF32 dots for float32 inputs, 2e-3; 16-bit inputs, 2e-2). Every test
+is marked ``gpu`` (skipped without a GPU by conftest.py); run them with
 ``python -m pytest -q -m gpu``.
 
 References: the float64 recurrence for forward outputs, h, v_new and final states, and float64
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 import gdp_jax
+from gdp_jax._src import dispatch
 from gdp_jax.ops.chunk_h import chunk_h_pallas
 from gdp_jax.ops.chunk_o import pallas_bwd
 from gdp_jax.ops.wy import wy_bwd_pallas, wy_pallas, wy_xla
@@ -81,6 +83,49 @@ def test_chunk_o_jit_vmap_grad():
     _, want = dense_chunked_grads(*p.chunk_o_args(), p.segment_ids, do, scale=p.scale,
                                   chunk_size=64)
     assert_all_close(dict(zip(CHUNK_O_NAMES, grads)), want, gpu_tol("float32"))
+
+
+# ---------------------------------------------------------------------------------------------
+# chunk_o forward, Mosaic GPU (implementation="mosaic"): the Triton grid's 16-bit chunk-64 cases
+
+MOSAIC_CASES = [
+    Case(2048, 128, 128, 2, 64, gated=False, segments=False, dtype="bfloat16", heads=4),
+    Case(2011, 128, 128, 3, 64, dtype="bfloat16", heads=4),
+    Case(2048, 128, 128, 2, 64, dtype="float16", heads=4),
+    Case(2011, 128, 128, 1, 64, dtype="bfloat16", heads=4),
+    Case(333, 256, 256, 2, 64, dtype="bfloat16", heads=3),     # 64-wide value programs
+    Case(333, 96, 48, 2, 64, dtype="bfloat16", heads=3),       # widths padded to 64
+    Case(333, 16, 256, 3, 64, dtype="bfloat16", heads=3),
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_CASES, ids=case_id)
+def test_chunk_o_forward_mosaic(case):
+    assert dispatch.chunk_o_implementation("mosaic", case.jnp_dtype, case.key_dim, case.value_dim,
+                                           case.chunk_size, case.jnp_dtype) == "mosaic"
+    p = build(case)
+    o = run_chunk_o(p, "mosaic")
+    chex.assert_type(o, case.jnp_dtype)
+    assert_close(o, p.ref["o"], gpu_tol(case.dtype))
+    # Against the Triton kernel on the same inputs: both accumulate in float32.
+    assert rel_err(o, run_chunk_o(p, "pallas")) < 1e-2
+
+
+def test_chunk_o_mosaic_jit_vmap_grad():
+    """jit(vmap) over differently packed rows and gradients of every input (the backward: the
+    Triton kernel) against the float64 references."""
+    p = build(Case(200, 64, 128, 2, 64, batch=3, dtype="bfloat16"))
+    op = lambda q, k, v, h, g, seg: gdp_jax.chunk_gdp_fwd_o(
+        q[None], k[None], v[None], h[None], g[None], segment_ids=seg[None], chunk_size=64,
+        implementation="mosaic")[0]
+    args = (*p.chunk_o_args(), p.segment_ids)
+    assert_close(jax.jit(jax.vmap(op))(*args), p.ref["o"], gpu_tol("bfloat16"))
+    do = cotangent(p.ref["o"].shape, 1)
+    loss = lambda *a: jnp.sum(jax.vmap(op)(*a).astype(jnp.float32) * do)
+    grads = jax.jit(jax.grad(loss, argnums=range(5)))(*args)
+    _, want = dense_chunked_grads(*p.chunk_o_args(), p.segment_ids, do, scale=p.scale,
+                                  chunk_size=64)
+    assert_all_close(dict(zip(CHUNK_O_NAMES, grads)), want, gpu_tol("bfloat16"))
 
 
 def test_chunk_o_x64_mode_compiled():

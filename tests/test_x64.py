@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import gdp_jax
+import gdp_jax._src.mosaic
 from gdp_jax.ops.chunk_o import pallas_bwd, pallas_fwd
 from cases import (GRAD_NAMES, Case, assert_all_close, assert_close, build, cotangent,
                    recurrence_grads, tolerance)
@@ -56,6 +57,18 @@ def test_backward_kernels(split):
     off, on = _in_both_modes(lambda: pallas_bwd.chunk_o_bwd_pallas(
         p.q, p.k, p.v_new, p.h, p.g, p.runs, do, scale=p.scale, chunk_size=16, num_householder=2,
         interpret=True, block_sizes=sizes))
+    chex.assert_trees_all_equal(on, off)
+
+
+@pytest.mark.skipif(not gdp_jax._src.mosaic.has_interpreter(),
+                    reason="this jax has no Mosaic GPU interpreter")
+def test_mosaic_forward_kernel():
+    """The Mosaic GPU forward's indices (grid axis indices, slot and chunk offsets) under 64-bit
+    mode: the same bits as without it."""
+    p = build(Case(100, 64, 64, 3, 64, dtype="bfloat16"))
+    off, on = _in_both_modes(lambda: (gdp_jax.chunk_gdp_fwd_o(
+        *p.chunk_o_args(), segment_ids=p.segment_ids, implementation="mosaic_interpret"),))
+    assert_close(on[0], p.ref["o"], tolerance("bfloat16"))
     chex.assert_trees_all_equal(on, off)
 
 

@@ -1,20 +1,24 @@
 """Which implementation, dtype and kernel runs, decided in one place from plain values.
 
 Implementations: "xla" (jnp, any backend), "pallas" (Triton kernels, compiled for a GPU),
-"interpret" (the same kernels in Pallas' interpreter: CPU tests). ``None`` means "pallas" on a GPU
-backend and "xla" elsewhere.
+"interpret" (the same kernels in Pallas' interpreter: CPU tests), "mosaic" (chunk_gdp_fwd_o's
+forward as a Mosaic GPU kernel, every other kernel as for "pallas"), "mosaic_interpret" (that
+kernel in Mosaic GPU's interpreter, the others as for "interpret"). ``None`` means "pallas" on a
+GPU backend whose Pallas has the Triton lowering, "mosaic" on one without it, "xla" elsewhere.
 
-Where a request cannot run as asked, it runs the jnp path instead, never fails at launch:
+Where a request cannot run as asked, it runs the next implementation down, never fails at launch:
 
 | case | runs | why |
 |---|---|---|
 | float64 inputs, any implementation | "xla" in float64 | the kernels accumulate in float32 and have no 8-byte tiles |
 | "pallas", K or V padded above 256 | "xla" | every kernel was compiled (sm_90a) and run up to 256 |
 | "pallas" chunk_o, 4-byte inputs, K padded above 128, chunk 128 | "xla" (chunk_o only) | the [128, 256] f32 q and k tiles alone are 256 KiB; the forward asks 256 KiB of shared memory, the backward 288 KiB (227 KiB on an H200) |
+| "mosaic" chunk_o forward outside ``mosaic_supported`` (4-byte inputs, h of another dtype, chunk other than 64, K or V padded above 256) | the "pallas" rule | wgmma takes 16-bit operands in 64-row tiles; SMEM holds K, V up to 256 |
+| "mosaic" chunk_o backward, and the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
 
-The interpreter has no shared-memory limit and runs every 2- and 4-byte input. The dtype rules of
-the full op's Pallas path are the functions below; RESULTS.md, "Dtype rules of the full op", has
-the measurements.
+The interpreters have no shared-memory limit and run every 2- and 4-byte input (the Mosaic GPU
+one: what ``mosaic_supported`` accepts). The dtype rules of the full op's Pallas path are the
+functions below; RESULTS.md, "Dtype rules of the full op", has the measurements.
 """
 from __future__ import annotations
 
@@ -24,22 +28,60 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax._src.layout import tile_width
-from gdp_jax._src.pallas import TF32X3
+from gdp_jax._src import pallas
 
-IMPLEMENTATIONS = ("pallas", "xla", "interpret")
+IMPLEMENTATIONS = ("pallas", "xla", "interpret", "mosaic", "mosaic_interpret")
 KERNEL_MAX_WIDTH = 256
+MOSAIC_CHUNK_SIZE = 64      # wgmma's 64-row tile: one warpgroup, one chunk
+MOSAIC_TILE = 64            # 16-bit SMEM tiles pad K and V to 64 columns (128-byte swizzle)
 
 
 def resolve_implementation(implementation: Optional[str]) -> str:
-    """None -> "pallas" on a GPU backend, "xla" elsewhere; validates explicit choices.
+    """None -> "pallas" on a GPU backend ("mosaic" where Pallas has no Triton lowering), "xla"
+    elsewhere; validates explicit choices.
 
     "pallas" is not refused on a CPU host: lowering for CUDA there is legitimate (AOT, jax.export
     with lowering_platforms=("cuda",)); compiled for the CPU it fails in Pallas itself."""
     if implementation is None:
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        if jax.default_backend() != "gpu":
+            return "xla"
+        return "pallas" if has_triton_lowering() else "mosaic"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}")
+    if implementation in ("pallas", "interpret") and not has_triton_lowering():
+        raise ValueError(f"implementation={implementation!r} needs Pallas' Triton lowering, which "
+                         f"jax {jax.__version__} lacks; use 'mosaic', 'mosaic_interpret' or 'xla'")
     return implementation
+
+
+def has_triton_lowering() -> bool:
+    """Whether this jax's Pallas still has its Triton backend (deprecated in jax 0.11)."""
+    return pallas.plgpu is not None
+
+
+def triton_counterpart(implementation: str) -> str:
+    """The implementation of the stages that have no Mosaic GPU kernel: "mosaic" -> "pallas",
+    "mosaic_interpret" -> "interpret" (both "xla" on a jax without the Triton lowering), others
+    unchanged."""
+    if implementation not in ("mosaic", "mosaic_interpret"):
+        return implementation
+    if not has_triton_lowering():
+        return "xla"
+    return "pallas" if implementation == "mosaic" else "interpret"
+
+
+def mosaic_padded_width(n: int) -> int:
+    """K or V as the Mosaic GPU kernel pads it: a multiple of MOSAIC_TILE."""
+    return -(-n // MOSAIC_TILE) * MOSAIC_TILE
+
+
+def mosaic_supported(dtype, h_dtype, key_dim: int, value_dim: int, chunk_size: int) -> bool:
+    """Whether chunk_o's Mosaic GPU forward runs the case: 16-bit q, k, v with h of the same
+    dtype (wgmma's operands), chunk 64, K and V padded to multiples of 64 up to 256."""
+    return (jnp.dtype(dtype).itemsize == 2 and jnp.dtype(h_dtype) == jnp.dtype(dtype)
+            and chunk_size == MOSAIC_CHUNK_SIZE
+            and max(mosaic_padded_width(key_dim), mosaic_padded_width(value_dim))
+            <= KERNEL_MAX_WIDTH)
 
 
 def kernel_dtype_supported(dtype) -> bool:
@@ -53,8 +95,14 @@ def kernel_widths_supported(key_dim: int, value_dim: int) -> bool:
 
 
 def chunk_o_implementation(implementation: str, dtype, key_dim: int, value_dim: int,
-                           chunk_size: int) -> str:
-    """What chunk_gdp_fwd_o runs, forward and backward, for a resolved ``implementation``."""
+                           chunk_size: int, h_dtype=None) -> str:
+    """What chunk_gdp_fwd_o's forward runs for a resolved ``implementation`` (h_dtype: h's
+    dtype, default ``dtype``). Its backward runs ``triton_counterpart`` of the answer."""
+    if implementation in ("mosaic", "mosaic_interpret"):
+        if mosaic_supported(dtype, dtype if h_dtype is None else h_dtype, key_dim, value_dim,
+                            chunk_size):
+            return implementation
+        implementation = triton_counterpart(implementation)
     if implementation == "xla" or not kernel_dtype_supported(dtype):
         return "xla"
     if implementation == "pallas":
@@ -67,6 +115,7 @@ def chunk_o_implementation(implementation: str, dtype, key_dim: int, value_dim: 
 
 def states_implementation(implementation: str, dtype, key_dim: int, value_dim: int) -> str:
     """What the full op's WY and state-walk stages (2-3) run, forward and backward."""
+    implementation = triton_counterpart(implementation)
     if implementation == "xla" or not kernel_dtype_supported(dtype):
         return "xla"
     if implementation == "pallas" and not kernel_widths_supported(key_dim, value_dim):
@@ -93,5 +142,5 @@ def wy_bwd_dots(dtype):
     float32: IEEE float32 dots on whole 64 x 64 tiles are FMA loops that spill."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.float32:
-        return TF32X3, None
+        return pallas.TF32X3, None
     return None, (dtype if dtype == jnp.bfloat16 else None)

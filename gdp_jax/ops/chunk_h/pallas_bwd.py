@@ -75,10 +75,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._src.layout import pad_state, stream_layout, tile_width
-from gdp_jax._src.pallas import LN2, triton_call
+from gdp_jax._src.pallas import plgpu, LN2, triton_call
 from gdp_jax.ops.chunk_h.pallas_fwd import decay_and_run_operands
 
 

@@ -20,10 +20,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._src.layout import pad_state, stream_layout, tile_width
-from gdp_jax._src.pallas import triton_call
+from gdp_jax._src.pallas import plgpu, triton_call
 
 
 @dataclasses.dataclass(frozen=True)

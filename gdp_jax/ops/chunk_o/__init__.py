@@ -1,9 +1,10 @@
 """chunk_gdp_fwd_o: the chunk-output stage of Gated DeltaProduct (SPEC.md, "Chunked form").
 
 The public function and its ``jax.custom_vjp``. The implementations: ``xla.chunk_o_xla`` (jnp,
-differentiated by autodiff), ``pallas_fwd.chunk_o_fwd_pallas`` (forward kernel) and
-``pallas_bwd.chunk_o_bwd_pallas`` (fused backward kernel, whose docstring derives the VJP). Which
-one runs is ``_src.dispatch.chunk_o_implementation``'s rule.
+differentiated by autodiff), ``pallas_fwd.chunk_o_fwd_pallas`` (forward kernel, Triton),
+``mosaic_fwd.chunk_o_fwd_mosaic`` (forward kernel, Mosaic GPU) and ``pallas_bwd.chunk_o_bwd_pallas``
+(fused backward kernel, whose docstring derives the VJP). Which one runs is
+``_src.dispatch.chunk_o_implementation``'s rule.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
 from gdp_jax._src.layout import pad_last, pad_state, tile_width
 from gdp_jax._src.segments import segment_runs
+from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_o_fwd_mosaic
 from gdp_jax.ops.chunk_o.pallas_bwd import chunk_o_bwd_pallas
 from gdp_jax.ops.chunk_o.pallas_fwd import chunk_o_fwd_pallas
 from gdp_jax.ops.chunk_o.xla import chunk_o_xla
@@ -51,10 +53,14 @@ def chunk_gdp_fwd_o(q: jax.Array, k: jax.Array, v: jax.Array, h: jax.Array,
       chunk_size: power of two in [16, 128]; the fixed chunk grid of h and g.
       num_householder: M; inferred from k.shape[1] // T when None, checked when given.
       implementation: "pallas" (Triton kernel on GPU), "xla" (pure jnp, any backend), "interpret"
-        (the Pallas kernel in Pallas' interpreter, for CPU tests), or None for "pallas" on a GPU
-        backend and "xla" elsewhere. "pallas" runs the jnp path where the compiled kernels' tiles
-        would not fit shared memory: K or V above 256, or float32 inputs with K above 128 at
-        chunk_size 128. float64 inputs run the jnp path in float64.
+        (the Pallas kernel in Pallas' interpreter, for CPU tests), "mosaic" (the forward as a
+        Mosaic GPU kernel, the backward as for "pallas"), "mosaic_interpret" (that kernel in
+        Mosaic GPU's interpreter, the backward as for "interpret"), or None for "pallas" on a GPU
+        backend ("mosaic" on a jax without Pallas' Triton lowering) and "xla" elsewhere. "pallas"
+        runs the jnp path where the compiled kernels' tiles would not fit shared memory: K or V
+        above 256, or float32 inputs with K above 128 at chunk_size 128. "mosaic" runs its kernel
+        for 16-bit q, k, v with h of the same dtype, chunk_size 64 and K, V up to 256, and the
+        "pallas" rule otherwise. float64 inputs run the jnp path in float64.
 
     Returns:
       o: [B, T, H, V] in v's dtype, accumulated in float32. Differentiable in q, k, v, h and g.
@@ -87,7 +93,7 @@ def chunk_o(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_household
     does. No checks; the same custom_vjp."""
     config = _Config(scale=scale, chunk_size=chunk_size, num_householder=num_householder,
                      implementation=dispatch.chunk_o_implementation(
-                         implementation, q.dtype, q.shape[-1], v.shape[-1], chunk_size))
+                         implementation, q.dtype, q.shape[-1], v.shape[-1], chunk_size, h.dtype))
     return _chunk_o(q, k, v, h, g, runs, config)
 
 
@@ -96,7 +102,11 @@ class _Config:
     scale: float
     chunk_size: int
     num_householder: int
-    implementation: str          # what runs: dispatch.chunk_o_implementation's answer
+    implementation: str          # the forward: dispatch.chunk_o_implementation's answer
+
+    @property
+    def backward_implementation(self) -> str:
+        return dispatch.triton_counterpart(self.implementation)
 
     def stage_kwargs(self):
         return dict(scale=self.scale, chunk_size=self.chunk_size,
@@ -107,6 +117,12 @@ def _forward(q, k, v, h, g, runs, config: _Config):
     g = None if g is None else g.astype(jnp.float32)
     if config.implementation == "xla":
         return chunk_o_xla(q, k, v, h, g, runs, **config.stage_kwargs())
+    if config.implementation in ("mosaic", "mosaic_interpret"):
+        (q, k, v, h), unpad = _pad_to_tiles(q, k, v, h, width=dispatch.mosaic_padded_width)
+        o = chunk_o_fwd_mosaic(q, k, v, h, g, runs,
+                               interpret=config.implementation == "mosaic_interpret",
+                               **config.stage_kwargs())
+        return unpad(value=o)
     (q, k, v, h), unpad = _pad_to_tiles(q, k, v, h)
     o = chunk_o_fwd_pallas(q, k, v, h, g, runs, interpret=config.implementation == "interpret",
                            **config.stage_kwargs())
@@ -115,8 +131,8 @@ def _forward(q, k, v, h, g, runs, config: _Config):
 
 def _backward(q, k, v, h, g, runs, do, config: _Config):
     """(dq, dk, dv, dh, dg) in float32 or the primals' dtypes; dg None without g."""
-    kwargs = config.stage_kwargs()
-    if config.implementation == "xla":
+    kwargs, implementation = config.stage_kwargs(), config.backward_implementation
+    if implementation == "xla":
         if g is None:
             no_decay = lambda q, k, v, h: chunk_o_xla(q, k, v, h, None, runs, **kwargs)
             return jax.vjp(no_decay, q, k, v, h)[1](do) + (None,)
@@ -124,19 +140,20 @@ def _backward(q, k, v, h, g, runs, do, config: _Config):
         return jax.vjp(decayed, q, k, v, h, g)[1](do)
     (q, k, v, h, do), unpad = _pad_to_tiles(q, k, v, h, do.astype(v.dtype))
     dq, dk, dv, dh, dg = chunk_o_bwd_pallas(q, k, v, h, g, runs, do,
-                                            interpret=config.implementation == "interpret",
+                                            interpret=implementation == "interpret",
                                             **kwargs)
     return unpad(key=dq), unpad(key=dk), unpad(value=dv), unpad(state=dh), dg
 
 
-def _pad_to_tiles(q, k, v, h, *value_width_arrays):
-    """Zero-pads K and V to powers of two >= 16 (Triton's tile rule); zeros change no dot product.
+def _pad_to_tiles(q, k, v, h, *value_width_arrays, width=tile_width):
+    """Zero-pads K and V to ``width(n)``: powers of two >= 16 by default (Triton's tile rule);
+    zeros change no dot product.
 
     Returns the padded (q, k, v, h, *value_width_arrays) and ``unpad(key=|value=|state=x)``, which
     cuts a result with padded K, V or [K, V] trailing axes back to the caller's widths.
     """
     key_dim, value_dim = q.shape[-1], v.shape[-1]
-    kp, vp = tile_width(key_dim), tile_width(value_dim)
+    kp, vp = width(key_dim), width(value_dim)
     padded = (pad_last(q, kp), pad_last(k, kp), pad_last(v, vp), pad_state(h, kp, vp),
               *(pad_last(x, vp) for x in value_width_arrays))
 

@@ -91,9 +91,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from gdp_jax._src.pallas import (LN2, apply_pair_weight, chunk_weights, index, load_rows,
+from gdp_jax._src.pallas import (plgpu, LN2, apply_pair_weight, chunk_weights, index, load_rows,
                                  row_validity, triton_call)
 from gdp_jax._src.segments import segment_start_rows
 

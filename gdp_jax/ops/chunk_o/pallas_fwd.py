@@ -27,9 +27,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from gdp_jax._src.pallas import (apply_pair_weight, chunk_weights, index, load_rows,
+from gdp_jax._src.pallas import (plgpu, apply_pair_weight, chunk_weights, index, load_rows,
                                  triton_call)
 from gdp_jax._src.segments import segment_start_rows
 

@@ -62,10 +62,9 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from gdp_jax._src.layout import tile_width
-from gdp_jax._src.pallas import LN2, TF32X3, float32_dots, triton_call
+from gdp_jax._src.pallas import plgpu, LN2, TF32X3, float32_dots, triton_call
 
 
 @dataclasses.dataclass(frozen=True)

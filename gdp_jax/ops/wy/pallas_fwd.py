@@ -46,9 +46,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from gdp_jax._src.pallas import float32_dots, triton_call
+from gdp_jax._src.pallas import plgpu, float32_dots, triton_call
 
 _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
 

@@ -1,0 +1,115 @@
+"""What the Mosaic GPU kernels of gdp_jax share: the interpreter switch and the few operations
+whose compiled form Mosaic GPU's CPU interpreter does not run (docs/mosaic_gpu.md).
+
+Each helper takes ``interpret``. Compiled, it is the Mosaic GPU form: register layouts given
+where Hopper's wgmma fragments need them, the transposed wgmma operand as a transposed SMEM view.
+Interpreted, it is the same arithmetic in plain jnp on the loaded values, so that CPU tests check
+a kernel's indexing, masks and sums; synchronisation and layouts are checked only on a GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# SMEM tiles of 16-bit elements: 8-row tiles of 64 columns (128 bytes), 128-byte swizzle: the
+# layout wgmma reads without bank conflicts and TMA writes, as in jax's Mosaic GPU examples.
+SWIZZLE_BYTES = 128
+
+
+def tile_transforms(dtype):
+    """The SMEM transforms of a 2-D wgmma operand or TMA tile of ``dtype``."""
+    columns = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+
+
+@functools.lru_cache(maxsize=None)
+def interpret_params():
+    """Mosaic GPU's interpreter parameters: ``plgpu.InterpretGPUParams`` (jax >= 0.11) or its
+    private home in jax 0.10; None where this jax has no interpreter."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        try:
+            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+        except ImportError:
+            return None
+    return params()
+
+
+def has_interpreter() -> bool:
+    return interpret_params() is not None
+
+
+def row_vector(ref, interpret: bool):
+    """A [N] f32 / int32 SMEM vector laid out for broadcasting along the columns of an [N, *]
+    wgmma accumulator (one value per row)."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def column_vector(ref, interpret: bool):
+    """A [N] SMEM vector laid out for broadcasting along the rows of an [*, N] accumulator."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def iota(shape, dimension: int, interpret: bool):
+    """int32 indices along ``dimension`` of a ``shape`` accumulator-layout array."""
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dimension)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
+
+
+def dot_nt(a_smem, b_smem, interpret: bool):
+    """a @ b^T of two SMEM tiles [M, K] and [N, K] (16-bit), accumulated in float32 -> [M, N]."""
+    if interpret:
+        return jnp.dot(a_smem[...], b_smem[...].T, preferred_element_type=jnp.float32)
+
+    def scope(acc):
+        plgpu.wgmma(acc, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+        plgpu.wgmma_wait(0)
+        return acc[...]
+    return pl.run_scoped(scope, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
+
+
+def dot(a_smem, b_smem, interpret: bool):
+    """a @ b of two SMEM tiles [M, K] and [K, N] (16-bit), accumulated in float32 -> [M, N]."""
+    if interpret:
+        return jnp.dot(a_smem[...], b_smem[...], preferred_element_type=jnp.float32)
+
+    def scope(acc):
+        plgpu.wgmma(acc, a_smem, b_smem)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+    return pl.run_scoped(scope, plgpu.ACC((a_smem.shape[0], b_smem.shape[1]), jnp.float32))
+
+
+def broadcast_rows(x, shape):
+    """[N] per-row values -> ``shape`` = [N, *]."""
+    return lax.broadcast_in_dim(x, shape, (0,))
+
+
+def broadcast_columns(x, shape):
+    """[N] per-column values -> ``shape`` = [*, N]."""
+    return lax.broadcast_in_dim(x, shape, (1,))
+
+
+def kernel(body, *, out_type, scratch_types, grid, grid_names, interpret: bool):
+    """``plgpu.kernel`` on one warpgroup per program, interpreted where asked."""
+    if interpret and interpret_params() is None:
+        raise NotImplementedError("this jax has no Mosaic GPU interpreter; "
+                                  "run implementation='mosaic' on a GPU")
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=grid,
+                        grid_names=grid_names,
+                        interpret=interpret_params() if interpret else None)
+
+
+def axis(name: str):
+    """This program's index along the named grid axis."""
+    return lax.axis_index(name)
+

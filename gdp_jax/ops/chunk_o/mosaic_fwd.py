@@ -1,0 +1,206 @@
+"""Pallas kernel (Mosaic GPU lowering): the forward of chunk_gdp_fwd_o.
+
+The same sum as ``pallas_fwd`` (SPEC's chunked form), one program per (value block, head, chunk,
+batch) tile, one warpgroup each:
+
+    o[t] = scale * ( [same(t, c0)] 2^g[t] q[t]·h[c]
+                     + sum_{s in [c0, t], same(s, t)} sum_{m < M} 2^(g[t]-g[s])
+                                                      (q[t]·k[sM+m]) v[sM+m] )
+
+Data movement is explicit: TMA copies bring the q tile, g, the segment start rows, the [K, BV]
+state tile and each Householder copy's k and v tiles into swizzled SMEM, each on its own barrier;
+copies m and m+1 of k and v use alternating slots, so copy m+2 loads while copy m+1 computes.
+Per copy, wgmma makes the scores q k_m^T (k_m as a transposed SMEM view), the registers weigh them
+(causal and segment masks, decays), the weighted tile goes back to SMEM as the left operand of the
+wgmma that adds it times v_m into the output accumulator. The state term q·h is a second
+accumulator, weighted per row. The output tile leaves through SMEM by a TMA store.
+
+Operands in the layout TMA reads without gathers: the M copies of k and v come from the caller's
+[B, T*M, H, *] arrays viewed as [B, T, M*H, *] (copy m of head h is "head" m*H + h, a free
+reshape); g goes to [B, H, T] so that a chunk's decays are one contiguous 256-byte row.
+
+Supported here (``dispatch.mosaic_supported``; ``dispatch.chunk_o_implementation`` routes
+everything else to the Triton kernel): 16-bit q, k, v and h of one dtype, chunk_size 64 (the
+wgmma tile's 64 rows), K and V padded to multiples of 64 (the 128-byte swizzle of 16-bit tiles)
+up to 256.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from gdp_jax._src import mosaic as mg
+from gdp_jax._src.dispatch import KERNEL_MAX_WIDTH as MAX_WIDTH
+from gdp_jax._src.dispatch import MOSAIC_CHUNK_SIZE as CHUNK_SIZE
+from gdp_jax._src.dispatch import MOSAIC_TILE as TILE
+from gdp_jax._src.segments import segment_start_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Launch parameters; ``default_block_sizes`` picks them per shape."""
+    block_v: int             # value columns of one program's h / v / o tiles
+    slots: int = 2           # SMEM slots for the Householder copies' k and v tiles
+
+    def check(self, key_dim: int, value_dim: int, num_householder: int) -> None:
+        """Raises ValueError if these sizes do not tile a [K, V] problem."""
+        if self.block_v % TILE or value_dim % self.block_v:
+            raise ValueError(f"block_v must be a multiple of {TILE} dividing V = {value_dim}; "
+                             f"got {self.block_v}")
+        if not 1 <= self.slots <= max(num_householder, 1):
+            raise ValueError(f"slots must be in [1, M = {num_householder}]; got {self.slots}")
+        if key_dim % TILE or key_dim > MAX_WIDTH:
+            raise ValueError(f"K must be a multiple of {TILE} up to {MAX_WIDTH}; got {key_dim}")
+
+
+def default_block_sizes(key_dim: int, value_dim: int, num_householder: int) -> BlockSizes:
+    """SMEM decides (227 KiB on an H200); 16-bit tiles of q, two k and v slots, h, two score
+    slots and o. Not yet timed on a GPU.
+
+    | shape class | choice | why |
+    |---|---|---|
+    | K <= 128 | V <= 128 in one program, else 128-wide value programs | 144 KiB at K = V = 128 |
+    | K = 256 | 64-wide value programs | 168 KiB; 128-wide would take 224 |
+
+    Two slots whatever M: a third would add 40 KiB at K = V = 128 for one more copy in flight.
+    """
+    block_v = min(value_dim, 128) if key_dim <= 128 else TILE
+    return BlockSizes(block_v=block_v, slots=min(num_householder, 2))
+
+
+def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
+            has_g: bool, has_segments: bool, sizes: BlockSizes, interpret: bool, scratch):
+    m, bt, slots, bv = num_householder, CHUNK_SIZE, sizes.slots, sizes.block_v
+    refs = list(refs)
+    q_g, k_g, v_g, h_g = refs[:4]
+    g_g = refs[4] if has_g else None
+    sr_g = refs[4 + has_g] if has_segments else None
+    o_g = refs[-1]
+    (q_s, k_s, v_s, h_s, s_s, o_s, g_s, sr_s, in_bar, k_bar, v_bar) = scratch
+    vb, hd, c, b = (mg.axis(n) for n in ("value", "head", "chunk", "batch"))
+    rows = pl.ds(c * bt, bt)
+    cols = pl.ds(vb * bv, bv)
+
+    def load_copy(copy, slot):
+        plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd, cols], v_s.at[slot],
+                                v_bar.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
+    for copy in range(slots):
+        load_copy(copy, copy)
+    plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, :, cols], h_s, in_bar.at[1])
+    if has_g:
+        plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_s, in_bar.at[2])
+    if has_segments:
+        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[3])
+
+    # Masks and decay weights of the chunk (pallas.chunk_weights' rule), in accumulator layout.
+    pair = (bt, bt)
+    t_ids, s_ids = mg.iota(pair, 0, interpret), mg.iota(pair, 1, interpret)
+    pair_mask = (s_ids <= t_ids) & (t_ids < tokens - c * bt)    # the last chunk may be partial
+    row_weight = None
+    if has_segments:
+        plgpu.barrier_wait(in_bar.at[3])
+        start_row = mg.row_vector(sr_s, interpret)
+        pair_mask &= s_ids >= mg.broadcast_rows(start_row, pair)
+        row_weight = jnp.where(start_row == 0, 1.0, 0.0)
+    pair_weight = None
+    if has_g:
+        plgpu.barrier_wait(in_bar.at[2])
+        g_row, g_col = mg.row_vector(g_s, interpret), mg.column_vector(g_s, interpret)
+        exponent = mg.broadcast_rows(g_row, pair) - mg.broadcast_columns(g_col, pair)
+        # Outside the mask the exponent may overflow; the select drops it before any product.
+        pair_weight = jnp.where(pair_mask, jnp.exp2(exponent), 0.0)
+        row_weight = jnp.exp2(g_row) if row_weight is None else row_weight * jnp.exp2(g_row)
+
+    plgpu.barrier_wait(in_bar.at[0])
+    intra = None
+    for copy in range(m):
+        slot = copy % slots
+        plgpu.barrier_wait(k_bar.at[slot])
+        score = mg.dot_nt(q_s, k_s.at[slot], interpret)                     # [BT, BT] f32
+        score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
+        s_s.at[slot][...] = score.astype(s_s.dtype)
+        plgpu.commit_smem()                   # the register stores, visible to wgmma's reads
+        plgpu.barrier_wait(v_bar.at[slot])
+        term = mg.dot(s_s.at[slot], v_s.at[slot], interpret)               # [BT, BV] f32
+        intra = term if intra is None else intra + term
+        if copy + slots < m:                  # both reads of this slot are done (dot waited)
+            load_copy(copy + slots, slot)
+
+    plgpu.barrier_wait(in_bar.at[1])
+    state = mg.dot(q_s, h_s, interpret)                                     # [BT, BV] f32
+    if row_weight is not None:
+        state = state * mg.broadcast_rows(row_weight, state.shape)
+    o_s[...] = (scale * (state + intra)).astype(o_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_g.at[b, rows, hd, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
+                       num_householder: int, interpret: bool = False,
+                       block_sizes: Optional[BlockSizes] = None) -> jax.Array:
+    """o [B, T, H, V] in v's dtype, for inputs ``dispatch.mosaic_supported`` accepts, with K and V
+    already padded to multiples of 64.
+
+    q [B, T, H, K]; k [B, T*M, H, K]; v [B, T*M, H, V] (one 16-bit dtype for q, k, v and h);
+    h [B, NT, H, K, V]; g [B, T, H] float32 or None; runs [B, T] int32 run numbers or None.
+    Ragged T is padded to whole chunks here (one copy of q, k, v); whole chunks copy nothing.
+    """
+    if chunk_size != CHUNK_SIZE:
+        raise ValueError(f"the Mosaic GPU kernel takes chunk_size {CHUNK_SIZE}; got {chunk_size}")
+    batch, tokens, heads, key_dim = q.shape
+    value_dim, m, num_chunks = v.shape[-1], num_householder, h.shape[1]
+    sizes = block_sizes or default_block_sizes(key_dim, value_dim, m)
+    sizes.check(key_dim, value_dim, m)
+    padded_tokens = num_chunks * chunk_size
+    pad = padded_tokens - tokens
+
+    def pad_tokens(x, per_token):
+        if not pad:
+            return x
+        return jnp.pad(x, [(0, 0), (0, pad * per_token)] + [(0, 0)] * (x.ndim - 2))
+
+    operands = [pad_tokens(q, 1),
+                pad_tokens(k, m).reshape(batch, padded_tokens, m * heads, key_dim),
+                pad_tokens(v, m).reshape(batch, padded_tokens, m * heads, value_dim), h]
+    if g is not None:
+        operands.append(jnp.moveaxis(pad_tokens(g.astype(jnp.float32), 1), 1, 2))  # [B, H, Tp]
+    if runs is not None:
+        operands.append(pad_tokens(segment_start_rows(runs, chunk_size), 1))      # [B, Tp]
+
+    dtype, bv, bt = q.dtype, sizes.block_v, chunk_size
+    tiles = mg.tile_transforms(dtype)
+    scratch = (
+        plgpu.SMEM((bt, key_dim), dtype, transforms=tiles),                  # q
+        plgpu.SMEM((sizes.slots, bt, key_dim), dtype, transforms=tiles),     # k slots
+        plgpu.SMEM((sizes.slots, bt, bv), dtype, transforms=tiles),          # v slots
+        plgpu.SMEM((key_dim, bv), dtype, transforms=tiles),                  # h
+        plgpu.SMEM((sizes.slots, bt, bt), dtype, transforms=tiles),          # weighted scores
+        plgpu.SMEM((bt, bv), v.dtype, transforms=tiles),                     # o
+        plgpu.SMEM((bt,), jnp.float32),                                      # g
+        plgpu.SMEM((bt,), jnp.int32),                                        # segment start rows
+        plgpu.Barrier(num_arrivals=1, num_barriers=4),                       # q, h, g, starts
+        plgpu.Barrier(num_arrivals=1, num_barriers=sizes.slots),             # k slots
+        plgpu.Barrier(num_arrivals=1, num_barriers=sizes.slots),             # v slots
+    )
+
+    def body(*refs):
+        n = len(refs) - len(scratch)
+        return _kernel(*refs[:n], scratch=refs[n:], scale=scale, tokens=tokens,
+                       num_householder=m, heads=heads, has_g=g is not None,
+                       has_segments=runs is not None, sizes=sizes, interpret=interpret)
+
+    call = mg.kernel(
+        body, out_type=jax.ShapeDtypeStruct((batch, padded_tokens, heads, value_dim), v.dtype),
+        scratch_types=scratch, grid=(value_dim // bv, heads, num_chunks, batch),
+        grid_names=("value", "head", "chunk", "batch"), interpret=interpret)
+    o = call(*operands)
+    return o[:, :tokens] if pad else o

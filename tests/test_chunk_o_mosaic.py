@@ -1,0 +1,172 @@
+"""chunk_gdp_fwd_o's Mosaic GPU forward on CPU, in Mosaic GPU's interpreter
+(implementation="mosaic_interpret"), and the routing rule of "mosaic".
+
+The interpreter runs the kernel's copies, indexing, masks and sums; the compiled form's register
+layouts, transposed wgmma operand and synchronisation are checked by the GPU tests
+(test_gpu.py). References are the float64 recurrence (forward) and float64 autodiff of the dense
+chunked form (gradients: the backward is the Triton kernel, interpreted).
+"""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from gdp_jax._src import dispatch, mosaic
+from gdp_jax._src.segments import segment_runs
+from gdp_jax.ops.chunk_o.mosaic_fwd import BlockSizes, chunk_o_fwd_mosaic, default_block_sizes
+from cases import (CHUNK_O_NAMES, Case, assert_all_close, assert_close, build, case_id,
+                   cotangent, dense_chunked_grads, run_chunk_o, tolerance)
+
+needs_interpreter = pytest.mark.skipif(not mosaic.has_interpreter(),
+                                       reason="this jax has no Mosaic GPU interpreter")
+
+# 16-bit inputs at chunk 64 (what the kernel takes): every M with and without g and segments,
+# ragged T and whole chunks, K != V both ways, widths padded to 64 (48, 100) and the 64-wide
+# value programs of K = 256.
+CASES = [
+    Case(150, 64, 128, 2, 64, dtype="bfloat16"),
+    Case(128, 128, 64, 3, 64, dtype="bfloat16", segments=False),
+    Case(77, 48, 100, 1, 64, dtype="float16", gated=False),
+    Case(64, 64, 64, 1, 64, dtype="bfloat16", gated=False, segments=False, heads=3),
+    Case(70, 256, 192, 3, 64, dtype="bfloat16", batch=1, heads=1),
+]
+
+
+def assert_runs_mosaic(case):
+    """The case reaches the Mosaic kernel: without this a routing change would let the tests below
+    pass on the Triton kernel."""
+    assert dispatch.chunk_o_implementation(
+        "mosaic_interpret", case.jnp_dtype, case.key_dim, case.value_dim, case.chunk_size,
+        case.jnp_dtype) == "mosaic_interpret", case
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_against_recurrence(case):
+    assert_runs_mosaic(case)
+    p = build(case)
+    o = run_chunk_o(p, "mosaic_interpret")
+    chex.assert_shape(o, (case.batch, case.tokens, case.heads, case.value_dim))
+    chex.assert_type(o, case.jnp_dtype)
+    assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
+
+
+@needs_interpreter
+def test_many_segments_and_one_token_chunk():
+    """Segments of 1-9 tokens (several per chunk, some crossing chunk boundaries) and T = 2 chunks
+    + 1 token: the state term reaches only the segment live at each chunk's start."""
+    case = Case(129, 64, 64, 2, 64, dtype="bfloat16")
+    rng = np.random.default_rng(3)
+    ids = np.cumsum(rng.random((case.batch, case.tokens)) < 0.3, axis=1).astype(np.int32)
+    assert (ids[:, -1] > 20).all()
+    p = build(case, segment_ids=ids)
+    assert_close(run_chunk_o(p, "mosaic_interpret"), p.ref["o"], tolerance(case.dtype))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("sizes", [BlockSizes(block_v=64, slots=1),
+                                   BlockSizes(block_v=64, slots=3)], ids=["one_slot", "three_slots"])
+def test_block_sizes_in_interpreter(sizes):
+    """The slot schedule (copies reusing a slot after both its reads) and value programs narrower
+    than V give the same outputs as the default launch."""
+    case = Case(100, 64, 128, 3, 64, dtype="bfloat16", batch=1)
+    p = build(case)
+    q, k, v, h, g = p.chunk_o_args()
+    runs = segment_runs(jnp.asarray(p.segment_ids))
+    kwargs = dict(scale=p.scale, chunk_size=64, num_householder=3, interpret=True)
+    got = chunk_o_fwd_mosaic(q, k, v, h, g, runs, block_sizes=sizes, **kwargs)
+    want = chunk_o_fwd_mosaic(q, k, v, h, g, runs, **kwargs)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert_close(got, p.ref["o"], tolerance(case.dtype))
+
+
+@needs_interpreter
+def test_jit_vmap_grad():
+    """jit(vmap) over differently packed rows, and gradients of every input (the backward: the
+    Triton kernel, interpreted) against float64 autodiff of the dense chunked form."""
+    case = Case(100, 64, 64, 2, 64, dtype="bfloat16", batch=2, heads=1)
+    p = build(case)
+    op = lambda q, k, v, h, g, seg: gdp_jax.chunk_gdp_fwd_o(
+        q[None], k[None], v[None], h[None], g[None], segment_ids=seg[None], chunk_size=64,
+        implementation="mosaic_interpret")[0]
+    args = (*p.chunk_o_args(), jnp.asarray(p.segment_ids))
+    assert_close(jax.jit(jax.vmap(op))(*args), p.ref["o"], tolerance("bfloat16"))
+    do = cotangent(p.ref["o"].shape, 1)
+    loss = lambda *a: jnp.sum(jax.vmap(op)(*a).astype(jnp.float32) * do)
+    grads = jax.jit(jax.grad(loss, argnums=range(5)))(*args)
+    for name, grad, primal in zip(CHUNK_O_NAMES, grads, p.chunk_o_args()):
+        chex.assert_type(grad, primal.dtype)
+    _, want = dense_chunked_grads(*p.chunk_o_args(), p.segment_ids, do, scale=p.scale,
+                                  chunk_size=64)
+    assert_all_close(dict(zip(CHUNK_O_NAMES, grads)), want, tolerance("bfloat16"))
+
+
+@needs_interpreter
+def test_full_op():
+    """The full op with implementation="mosaic_interpret": chunk_o's forward on the Mosaic kernel,
+    the other stages as for "interpret", against the float64 recurrence."""
+    case = Case(90, 64, 64, 2, 64, dtype="bfloat16", batch=1)
+    p = build(case)
+    o, final = gdp_jax.chunk_gated_delta_product(
+        *p.full_args(), initial_state=p.initial_state, segment_ids=p.segment_ids,
+        output_final_state=True, chunk_size=64, implementation="mosaic_interpret")
+    assert_close(o, p.ref["o"], tolerance("bfloat16"), "o")
+    assert_close(final, p.ref["final_state"], tolerance("bfloat16"), "final_state")
+
+
+@pytest.mark.parametrize("dtype,h_dtype,key_dim,value_dim,chunk_size,want", [
+    ("bfloat16", "bfloat16", 128, 128, 64, "mosaic"),
+    ("float16", "float16", 48, 256, 64, "mosaic"),          # 48 pads to 64
+    ("bfloat16", "bfloat16", 256, 200, 64, "mosaic"),       # 200 pads to 256
+    ("float32", "float32", 128, 128, 64, "pallas"),         # wgmma: 16-bit operands only here
+    ("bfloat16", "float32", 128, 128, 64, "pallas"),        # h of another dtype
+    ("bfloat16", "bfloat16", 128, 128, 32, "pallas"),       # wgmma's 64-row tile
+    ("bfloat16", "bfloat16", 128, 128, 128, "pallas"),
+    ("bfloat16", "bfloat16", 320, 128, 64, "xla"),          # past 256: the "pallas" rule's jnp path
+    ("float64", "float64", 64, 64, 64, "xla"),
+])
+def test_routing_rule(dtype, h_dtype, key_dim, value_dim, chunk_size, want):
+    got = dispatch.chunk_o_implementation("mosaic", jnp.dtype(dtype), key_dim, value_dim,
+                                          chunk_size, jnp.dtype(h_dtype))
+    assert got == want
+    interpreted = dispatch.chunk_o_implementation("mosaic_interpret", jnp.dtype(dtype), key_dim,
+                                                  value_dim, chunk_size, jnp.dtype(h_dtype))
+    assert interpreted == {"mosaic": "mosaic_interpret", "pallas": "interpret",
+                           "xla": "xla" if dtype == "float64" else "interpret"}[want]
+    # The backward and the full op's other stages take the Triton counterpart.
+    assert dispatch.triton_counterpart("mosaic") == "pallas"
+    assert dispatch.states_implementation("mosaic", jnp.dtype(dtype), key_dim,
+                                          value_dim) in ("pallas", "xla")
+
+
+def test_default_block_sizes():
+    assert default_block_sizes(128, 128, 2) == BlockSizes(block_v=128, slots=2)
+    assert default_block_sizes(64, 256, 3) == BlockSizes(block_v=128, slots=2)
+    assert default_block_sizes(256, 256, 1) == BlockSizes(block_v=64, slots=1)
+    with pytest.raises(ValueError, match="block_v"):
+        BlockSizes(block_v=96).check(128, 128, 2)
+    with pytest.raises(ValueError, match="slots"):
+        BlockSizes(block_v=64, slots=3).check(128, 128, 2)
+
+
+def test_without_triton_lowering(monkeypatch):
+    """On a jax whose Pallas has no Triton lowering: None picks "mosaic" on a GPU, the stages
+    without a Mosaic kernel run the jnp path, and asking for Triton is a clear error."""
+    monkeypatch.setattr(dispatch, "has_triton_lowering", lambda: False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert dispatch.resolve_implementation(None) == "mosaic"
+    assert dispatch.triton_counterpart("mosaic") == "xla"
+    assert dispatch.states_implementation("mosaic", jnp.dtype("bfloat16"), 64, 64) == "xla"
+    assert dispatch.chunk_o_implementation("mosaic", jnp.dtype("float32"), 64, 64, 64) == "xla"
+    for implementation in ("pallas", "interpret"):
+        with pytest.raises(ValueError, match="Triton lowering"):
+            dispatch.resolve_implementation(implementation)
+
+
+def test_unknown_implementation_names_the_choices():
+    case = Case(64, 64, 64, 1, 64, dtype="bfloat16", batch=1, heads=1)
+    p = build(case)
+    with pytest.raises(ValueError, match="mosaic_interpret"):
+        gdp_jax.chunk_gdp_fwd_o(*p.chunk_o_args(), chunk_size=64, implementation="mosaic_gpu")

@@ -22,7 +22,7 @@ same buffers through dlpack; common.measure has the method):
   jnp path, and of fla's (unpacked shapes: fla restarts its chunk grid per sequence, so packed
   rows get their own h and g and are timed only). A PNG bar chart beside --out.
 * --bwd: forward + backward through jax.vjp of the public op (o and the cotangents of q, k, v, h,
-  g for cotangent do) per --impls, against its floor (the forward's bytes plus the backward's:
+  g for cotangent do) per --impls (mosaic in its own columns), against its floor (the forward's bytes plus the backward's:
   q, k, v, h, g, do read once, dq, dk, dv, dh, dg written once), and the jnp path's VJP; the
   backward kernel alone (ops.chunk_o.pallas_bwd.chunk_o_bwd_pallas) against the backward's floor,
   and the forward, for bwd / fwd. Max relative error of the cotangents against the jnp VJP.
@@ -244,6 +244,10 @@ def backward_shape(row, problems, shp, args, ctx):
         row["relerr_vs_xla"] = dict(zip(("dq", "dk", "dv", "dh", "dg"), errors))
         row["relerr_max"] = max(errors)
         log("relerr vs the jnp VJP: " + ", ".join(f"{n} {e:.2e}" for n, e in row["relerr_vs_xla"].items()))
+    for name in grads:      # the other kernels (mosaic beside pallas), against the jnp VJP too
+        if name not in (ours, "xla", "baseline") and "xla" in grads:
+            row[f"{name}_relerr_max"] = max(relative_errors(grads[name], grads["xla"]))
+            log(f"{name}: max relerr vs the jnp VJP {row[f'{name}_relerr_max']:.2e}")
     if ours in grads and "xla_fwdbwd_ms" in row and f"{ours}_fwdbwd_ms" in row:
         row["xla_over_ours"] = row["xla_fwdbwd_ms"] / row[f"{ours}_fwdbwd_ms"]
     if ours in grads and "baseline" in grads:
@@ -392,6 +396,9 @@ def print_backward(rows, meta, bandwidth, ours):
     hdr = ["shape", "dtype", "fwd+bwd ms", "% floor", "floor ms", "bwd kernel ms", "bwd % floor",
            "fwd ms", "bwd/fwd", "xla fwd+bwd ms", "xla/ours"]
     hdr += ["old ms", "new/old"] if baseline else []
+    mosaic = next((n for n in ("mosaic", "mosaic_interpret") if n != ours and any(
+        f"{n}_fwdbwd_ms" in r or f"{n}_fwdbwd_error" in r for r in rows)), None)
+    hdr += ["mosaic fwd+bwd ms", "mosaic % floor", "mosaic/ours"] if mosaic else []
     hdr += ["relerr max"]
     lines = []
     for r in rows:
@@ -401,6 +408,11 @@ def print_backward(rows, meta, bandwidth, ours):
                 ms_cell(r, f"{ours}_fwd"), fmt(r.get("bwd_over_fwd"), ".2f"),
                 ms_cell(r, "xla_fwdbwd"), fmt(r.get("xla_over_ours"), ".2f")]
         line += [ms_cell(r, "baseline_fwdbwd"), fmt(r.get("new_over_old"), ".3f")] if baseline else []
+        if mosaic:
+            ratio = (r[f"{mosaic}_fwdbwd_ms"] / r[f"{ours}_fwdbwd_ms"]
+                     if f"{mosaic}_fwdbwd_ms" in r and f"{ours}_fwdbwd_ms" in r else None)
+            line += [ms_cell(r, f"{mosaic}_fwdbwd"), fmt(r.get(f"{mosaic}_fwdbwd_pct_floor"), ".1f"),
+                     fmt(ratio, ".3f")]
         line += [fmt(r.get("relerr_max"), ".2e")]
         lines.append(line)
     print_table(hdr, lines, _caption(meta, bandwidth, f"ours = {ours}; fwd+bwd = jax.vjp of the op, "

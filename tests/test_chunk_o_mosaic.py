@@ -1,10 +1,11 @@
-"""chunk_gdp_fwd_o's Mosaic GPU forward on CPU, in Mosaic GPU's interpreter
-(implementation="mosaic_interpret"), and the routing rule of "mosaic".
+"""chunk_gdp_fwd_o's Mosaic GPU kernels on CPU, in Mosaic GPU's interpreter
+(implementation="mosaic_interpret", or the kernel functions with interpret=True), and the routing
+rule of "mosaic".
 
-The interpreter runs the kernel's copies, indexing, masks and sums; the compiled form's register
-layouts, transposed wgmma operand and synchronisation are checked by the GPU tests
+The interpreter runs the kernels' copies, indexing, masks and sums; the compiled form's register
+layouts, transposed wgmma operands and synchronisation are checked by the GPU tests
 (test_gpu.py). References are the float64 recurrence (forward) and float64 autodiff of the dense
-chunked form (gradients: the backward is the Triton kernel, interpreted).
+chunked form (gradients).
 """
 import chex
 import jax
@@ -15,9 +16,11 @@ import pytest
 import gdp_jax
 from gdp_jax._src import dispatch, mosaic
 from gdp_jax._src.segments import segment_runs
+from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
 from gdp_jax.ops.chunk_o.mosaic_fwd import BlockSizes, chunk_o_fwd_mosaic, default_block_sizes
 from cases import (CHUNK_O_NAMES, Case, assert_all_close, assert_close, build, case_id,
                    cotangent, dense_chunked_grads, run_chunk_o, tolerance)
+from test_chunk_o_bwd import check_kernel, kernel_inputs
 
 needs_interpreter = pytest.mark.skipif(not mosaic.has_interpreter(),
                                        reason="this jax has no Mosaic GPU interpreter")
@@ -67,7 +70,8 @@ def test_many_segments_and_one_token_chunk():
 
 @needs_interpreter
 @pytest.mark.parametrize("sizes", [BlockSizes(block_v=64, slots=1),
-                                   BlockSizes(block_v=64, slots=3)], ids=["one_slot", "three_slots"])
+                                   BlockSizes(block_v=64, slots=3)],
+                         ids=["one_slot", "three_slots"])
 def test_block_sizes_in_interpreter(sizes):
     """The slot schedule (copies reusing a slot after both its reads) and value programs narrower
     than V give the same outputs as the default launch."""
@@ -84,8 +88,8 @@ def test_block_sizes_in_interpreter(sizes):
 
 @needs_interpreter
 def test_jit_vmap_grad():
-    """jit(vmap) over differently packed rows, and gradients of every input (the backward: the
-    Triton kernel, interpreted) against float64 autodiff of the dense chunked form."""
+    """jit(vmap) over differently packed rows, and gradients of every input (the Mosaic backward,
+    interpreted) against float64 autodiff of the dense chunked form."""
     case = Case(100, 64, 64, 2, 64, dtype="bfloat16", batch=2, heads=1)
     p = build(case)
     op = lambda q, k, v, h, g, seg: gdp_jax.chunk_gdp_fwd_o(
@@ -101,6 +105,54 @@ def test_jit_vmap_grad():
     _, want = dense_chunked_grads(*p.chunk_o_args(), p.segment_ids, do, scale=p.scale,
                                   chunk_size=64)
     assert_all_close(dict(zip(CHUNK_O_NAMES, grads)), want, tolerance("bfloat16"))
+
+
+# The backward kernel called directly on kernel_inputs (random q, k, v, h, decays, packings):
+# every M with and without g and segments, ragged and whole last chunks, K != V both ways, padded
+# widths, K = V = 128 (the largest it takes).
+BWD_CASES = [
+    Case(150, 64, 128, 2, 64, dtype="bfloat16"),
+    Case(128, 128, 64, 3, 64, dtype="bfloat16", segments=False),
+    Case(77, 64, 64, 1, 64, dtype="float16", gated=False),
+    Case(64, 64, 64, 2, 64, dtype="bfloat16", gated=False, segments=False, heads=3),
+    Case(70, 128, 128, 3, 64, dtype="bfloat16", batch=1, heads=1),
+]
+
+
+def mosaic_bwd_kernel(case):
+    return lambda *args: chunk_o_bwd_mosaic(*args, scale=case.key_dim ** -0.5, chunk_size=64,
+                                            num_householder=case.m, interpret=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", BWD_CASES, ids=case_id)
+def test_backward_kernel(case):
+    check_kernel(case, kernel=mosaic_bwd_kernel(case))
+
+
+@needs_interpreter
+def test_backward_strong_decay_in_partial_chunk_stays_finite():
+    """Padding rows of the last chunk must not form 2^(0 - g[s]) = inf (NaN in dk, dv, dg): its
+    last two tokens decay by 2^-100 each, the rest by 2^-0.1."""
+    case = Case(100, 64, 64, 2, 64, dtype="bfloat16", batch=1, gated=False, segments=False)
+    steps = np.full((1, 100, 2), -0.1, np.float32)
+    steps[:, 98:] = -100.0
+    g = jnp.asarray(np.concatenate([np.cumsum(steps[:, i:i + 64], axis=1)
+                                    for i in range(0, 100, 64)], axis=1))
+    check_kernel(case, g=g, kernel=mosaic_bwd_kernel(case))
+
+
+@needs_interpreter
+def test_backward_routing_reaches_the_kernel():
+    """The op's backward under "mosaic_interpret" is the Mosaic kernel up to K, V = 128 and the
+    Triton kernel past it: without this a routing change would let the op-level tests pass on
+    the Triton kernel."""
+    rule = dispatch.chunk_o_backward_implementation
+    assert rule("mosaic_interpret", 128, 100) == "mosaic_interpret"
+    assert rule("mosaic_interpret", 192, 64) == "interpret"
+    assert rule("mosaic", 64, 256) == "pallas"
+    assert rule("interpret", 64, 64) == "interpret"
+    assert rule("xla", 64, 64) == "xla"
 
 
 @needs_interpreter

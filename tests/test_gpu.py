@@ -112,8 +112,8 @@ def test_chunk_o_forward_mosaic(case):
 
 
 def test_chunk_o_mosaic_jit_vmap_grad():
-    """jit(vmap) over differently packed rows and gradients of every input (the backward: the
-    Triton kernel) against the float64 references."""
+    """jit(vmap) over differently packed rows and gradients of every input (the Mosaic backward)
+    against the float64 references."""
     p = build(Case(200, 64, 128, 2, 64, batch=3, dtype="bfloat16"))
     op = lambda q, k, v, h, g, seg: gdp_jax.chunk_gdp_fwd_o(
         q[None], k[None], v[None], h[None], g[None], segment_ids=seg[None], chunk_size=64,
@@ -217,6 +217,34 @@ def test_chunk_o_bwd(case, split):
 ], ids=case_id)
 def test_chunk_o_bwd_shapes(case):
     check_chunk_o_bwd(case)
+
+
+@pytest.mark.parametrize("case", [
+    Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4),
+    Case(1000, 128, 128, 3, 64, gated=False, segments=False, dtype="bfloat16", heads=4),
+    Case(1000, 64, 64, 1, 64, segments=False, dtype="float16", heads=4),
+    Case(333, 96, 48, 2, 64, dtype="bfloat16", heads=3),       # widths padded to 64
+], ids=case_id)
+def test_chunk_o_bwd_mosaic(case):
+    """The compiled Mosaic GPU backward on kernel_inputs against float64 autodiff of the dense
+    form (K, V up to 128: what it takes)."""
+    check_chunk_o_bwd_mosaic(case)
+
+
+def check_chunk_o_bwd_mosaic(case, interpret=False):
+    from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
+    q, k, v, h, g, runs, do = args = kernel_inputs(case)
+    kd, vd = case.key_dim, case.value_dim
+    kp, vp = dispatch.mosaic_padded_width(kd), dispatch.mosaic_padded_width(vd)
+    def pad(x, *widths):            # zeros after the trailing axes' values
+        return jnp.pad(x, [(0, 0)] * (x.ndim - len(widths)) + [(0, w) for w in widths])
+    kernel = functools.partial(chunk_o_bwd_mosaic, scale=kd ** -0.5, chunk_size=64,
+                               num_householder=case.m, interpret=interpret)
+    dq, dk, dv, dh, dg = jax.jit(kernel)(pad(q, kp - kd), pad(k, kp - kd), pad(v, vp - vd),
+                                         pad(h, kp - kd, vp - vd), g, runs, pad(do, vp - vd))
+    got = dict(q=dq[..., :kd], k=dk[..., :kd], v=dv[..., :vd], h=dh[..., :kd, :vd], g=dg)
+    want = dense_chunked_grads(*args, scale=kd ** -0.5, chunk_size=64)[1]
+    assert_all_close(got, want, tolerance(case.dtype, "cpu" if interpret else "gpu"))
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])

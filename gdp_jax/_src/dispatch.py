@@ -2,8 +2,8 @@
 
 Implementations: "xla" (jnp, any backend), "pallas" (Triton kernels, compiled for a GPU),
 "interpret" (the same kernels in Pallas' interpreter: CPU tests), "mosaic" (chunk_gdp_fwd_o's
-forward as a Mosaic GPU kernel, every other kernel as for "pallas"), "mosaic_interpret" (that
-kernel in Mosaic GPU's interpreter, the others as for "interpret"). ``None`` means "pallas" on a
+forward and backward as Mosaic GPU kernels, every other kernel as for "pallas"),
+"mosaic_interpret" (those kernels in Mosaic GPU's interpreter, the others as for "interpret"). ``None`` means "pallas" on a
 GPU backend whose Pallas has the Triton lowering, "mosaic" on one without it, "xla" elsewhere.
 
 Where a request cannot run as asked, it runs the next implementation down, never fails at launch:
@@ -13,8 +13,9 @@ Where a request cannot run as asked, it runs the next implementation down, never
 | float64 inputs, any implementation | "xla" in float64 | the kernels accumulate in float32 and have no 8-byte tiles |
 | "pallas", K or V padded above 256 | "xla" | every kernel was compiled (sm_90a) and run up to 256 |
 | "pallas" chunk_o, 4-byte inputs, K padded above 128, chunk 128 | "xla" (chunk_o only) | the [128, 256] f32 q and k tiles alone are 256 KiB; the forward asks 256 KiB of shared memory, the backward 288 KiB (227 KiB on an H200) |
-| "mosaic" chunk_o forward outside ``mosaic_supported`` (4-byte inputs, h of another dtype, chunk other than 64, K or V padded above 256) | the "pallas" rule | wgmma takes 16-bit operands in 64-row tiles; SMEM holds K, V up to 256 |
-| "mosaic" chunk_o backward, and the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
+| "mosaic" chunk_o outside ``mosaic_supported`` (4-byte inputs, h of another dtype, chunk other than 64, K or V padded above 256) | the "pallas" rule, both directions | wgmma takes 16-bit operands in 64-row tiles; SMEM holds K, V up to 256 |
+| "mosaic" chunk_o backward, K or V padded above 128 | the "pallas" rule | the backward's SMEM tiles hold K, V up to 128 |
+| "mosaic", the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
 
 The interpreters have no shared-memory limit and run every 2- and 4-byte input (the Mosaic GPU
 one: what ``mosaic_supported`` accepts). The dtype rules of the full op's Pallas path are the
@@ -84,6 +85,19 @@ def mosaic_supported(dtype, h_dtype, key_dim: int, value_dim: int, chunk_size: i
             <= KERNEL_MAX_WIDTH)
 
 
+MOSAIC_BWD_MAX_WIDTH = 128   # the backward's SMEM tiles: 208 KiB at K = V = 128 (227 KiB on an H200)
+
+
+def chunk_o_backward_implementation(forward: str, key_dim: int, value_dim: int) -> str:
+    """What chunk_gdp_fwd_o's backward runs, given its forward's implementation (the answer of
+    ``chunk_o_implementation``): the Mosaic GPU backward where the forward ran on Mosaic GPU and K
+    and V pad to at most MOSAIC_BWD_MAX_WIDTH, else ``triton_counterpart``."""
+    if forward in ("mosaic", "mosaic_interpret") and max(
+            mosaic_padded_width(key_dim), mosaic_padded_width(value_dim)) <= MOSAIC_BWD_MAX_WIDTH:
+        return forward
+    return triton_counterpart(forward)
+
+
 def kernel_dtype_supported(dtype) -> bool:
     """2- and 4-byte floats; float64 runs the jnp path."""
     return jnp.dtype(dtype).itemsize <= 4
@@ -97,7 +111,7 @@ def kernel_widths_supported(key_dim: int, value_dim: int) -> bool:
 def chunk_o_implementation(implementation: str, dtype, key_dim: int, value_dim: int,
                            chunk_size: int, h_dtype=None) -> str:
     """What chunk_gdp_fwd_o's forward runs for a resolved ``implementation`` (h_dtype: h's
-    dtype, default ``dtype``). Its backward runs ``triton_counterpart`` of the answer."""
+    dtype, default ``dtype``). Its backward: ``chunk_o_backward_implementation``."""
     if implementation in ("mosaic", "mosaic_interpret"):
         if mosaic_supported(dtype, dtype if h_dtype is None else h_dtype, key_dim, value_dim,
                             chunk_size):

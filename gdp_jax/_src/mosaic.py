@@ -65,28 +65,61 @@ def iota(shape, dimension: int, interpret: bool):
     return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
 
 
-def dot_nt(a_smem, b_smem, interpret: bool):
-    """a @ b^T of two SMEM tiles [M, K] and [N, K] (16-bit), accumulated in float32 -> [M, N]."""
+def tile(ref, interpret: bool):
+    """A 2-D SMEM tile loaded into registers in the wgmma accumulator's layout."""
     if interpret:
-        return jnp.dot(a_smem[...], b_smem[...].T, preferred_element_type=jnp.float32)
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
+
+def _operand(ref, transposed: bool, interpret: bool):
+    if interpret:
+        return ref[...].T if transposed else ref[...]
+    return plgpu.transpose_ref(ref, (1, 0)) if transposed else ref
+
+
+def accumulate(shape, body, interpret: bool):
+    """Runs ``body(mma)`` with one float32 accumulator of ``shape`` and returns its value.
+
+    ``mma(a, b, transpose_a=False, transpose_b=False)`` adds a @ b of two 16-bit SMEM tiles (either
+    one read transposed) and waits for it, so that the body may overwrite a and b afterwards.
+    Other accumulators may be scoped inside the body.
+    """
+    if interpret:
+        total = [jnp.zeros(shape, jnp.float32)]
+
+        def mma(a, b, transpose_a=False, transpose_b=False):
+            total[0] = total[0] + jnp.dot(_operand(a, transpose_a, True),
+                                          _operand(b, transpose_b, True),
+                                          preferred_element_type=jnp.float32)
+        body(mma)
+        return total[0]
 
     def scope(acc):
-        plgpu.wgmma(acc, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
-        plgpu.wgmma_wait(0)
+        def mma(a, b, transpose_a=False, transpose_b=False):
+            plgpu.wgmma(acc, _operand(a, transpose_a, False), _operand(b, transpose_b, False))
+            plgpu.wgmma_wait(0)
+        body(mma)
         return acc[...]
-    return pl.run_scoped(scope, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
+    return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
 
 
 def dot(a_smem, b_smem, interpret: bool):
     """a @ b of two SMEM tiles [M, K] and [K, N] (16-bit), accumulated in float32 -> [M, N]."""
-    if interpret:
-        return jnp.dot(a_smem[...], b_smem[...], preferred_element_type=jnp.float32)
+    shape = (a_smem.shape[0], b_smem.shape[1])
+    return accumulate(shape, lambda mma: mma(a_smem, b_smem), interpret)
 
-    def scope(acc):
-        plgpu.wgmma(acc, a_smem, b_smem)
-        plgpu.wgmma_wait(0)
-        return acc[...]
-    return pl.run_scoped(scope, plgpu.ACC((a_smem.shape[0], b_smem.shape[1]), jnp.float32))
+
+def dot_nt(a_smem, b_smem, interpret: bool):
+    """a @ b^T of two SMEM tiles [M, K] and [N, K] -> [M, N] float32."""
+    shape = (a_smem.shape[0], b_smem.shape[0])
+    return accumulate(shape, lambda mma: mma(a_smem, b_smem, transpose_b=True), interpret)
+
+
+def dot_tn(a_smem, b_smem, interpret: bool):
+    """a^T @ b of two SMEM tiles [K, M] and [K, N] -> [M, N] float32."""
+    shape = (a_smem.shape[1], b_smem.shape[1])
+    return accumulate(shape, lambda mma: mma(a_smem, b_smem, transpose_a=True), interpret)
 
 
 def broadcast_rows(x, shape):

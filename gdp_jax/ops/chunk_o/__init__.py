@@ -2,9 +2,10 @@
 
 The public function and its ``jax.custom_vjp``. The implementations: ``xla.chunk_o_xla`` (jnp,
 differentiated by autodiff), ``pallas_fwd.chunk_o_fwd_pallas`` (forward kernel, Triton),
-``mosaic_fwd.chunk_o_fwd_mosaic`` (forward kernel, Mosaic GPU) and ``pallas_bwd.chunk_o_bwd_pallas``
-(fused backward kernel, whose docstring derives the VJP). Which one runs is
-``_src.dispatch.chunk_o_implementation``'s rule.
+``pallas_bwd.chunk_o_bwd_pallas`` (fused backward kernel, whose docstring derives the VJP), and
+on Mosaic GPU ``mosaic_fwd.chunk_o_fwd_mosaic`` and ``mosaic_bwd.chunk_o_bwd_mosaic``. Which one
+runs is ``_src.dispatch.chunk_o_implementation``'s rule (``chunk_o_backward_implementation``
+for the backward).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
 from gdp_jax._src.layout import pad_last, pad_state, tile_width
 from gdp_jax._src.segments import segment_runs
+from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
 from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_o_fwd_mosaic
 from gdp_jax.ops.chunk_o.pallas_bwd import chunk_o_bwd_pallas
 from gdp_jax.ops.chunk_o.pallas_fwd import chunk_o_fwd_pallas
@@ -53,14 +55,14 @@ def chunk_gdp_fwd_o(q: jax.Array, k: jax.Array, v: jax.Array, h: jax.Array,
       chunk_size: power of two in [16, 128]; the fixed chunk grid of h and g.
       num_householder: M; inferred from k.shape[1] // T when None, checked when given.
       implementation: "pallas" (Triton kernel on GPU), "xla" (pure jnp, any backend), "interpret"
-        (the Pallas kernel in Pallas' interpreter, for CPU tests), "mosaic" (the forward as a
-        Mosaic GPU kernel, the backward as for "pallas"), "mosaic_interpret" (that kernel in
-        Mosaic GPU's interpreter, the backward as for "interpret"), or None for "pallas" on a GPU
+        (the Pallas kernel in Pallas' interpreter, for CPU tests), "mosaic" (Mosaic GPU kernels),
+        "mosaic_interpret" (those in Mosaic GPU's interpreter), or None for "pallas" on a GPU
         backend ("mosaic" on a jax without Pallas' Triton lowering) and "xla" elsewhere. "pallas"
         runs the jnp path where the compiled kernels' tiles would not fit shared memory: K or V
-        above 256, or float32 inputs with K above 128 at chunk_size 128. "mosaic" runs its kernel
-        for 16-bit q, k, v with h of the same dtype, chunk_size 64 and K, V up to 256, and the
-        "pallas" rule otherwise. float64 inputs run the jnp path in float64.
+        above 256, or float32 inputs with K above 128 at chunk_size 128. "mosaic" runs its
+        forward for 16-bit q, k, v with h of the same dtype, chunk_size 64 and K, V up to 256,
+        its backward where also K, V are at most 128, and the "pallas" rule otherwise
+        ("mosaic_interpret": the "interpret" rule). float64 inputs run the jnp path in float64.
 
     Returns:
       o: [B, T, H, V] in v's dtype, accumulated in float32. Differentiable in q, k, v, h and g.
@@ -91,9 +93,12 @@ def chunk_o(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_household
     """chunk_gdp_fwd_o for a caller that has checked its inputs, resolved ``implementation`` and
     ``scale``, and turned segment ids into run numbers (``segments.segment_runs``), as the full op
     does. No checks; the same custom_vjp."""
+    forward = dispatch.chunk_o_implementation(implementation, q.dtype, q.shape[-1], v.shape[-1],
+                                              chunk_size, h.dtype)
     config = _Config(scale=scale, chunk_size=chunk_size, num_householder=num_householder,
-                     implementation=dispatch.chunk_o_implementation(
-                         implementation, q.dtype, q.shape[-1], v.shape[-1], chunk_size, h.dtype))
+                     implementation=forward,
+                     backward_implementation=dispatch.chunk_o_backward_implementation(
+                         forward, q.shape[-1], v.shape[-1]))
     return _chunk_o(q, k, v, h, g, runs, config)
 
 
@@ -102,11 +107,8 @@ class _Config:
     scale: float
     chunk_size: int
     num_householder: int
-    implementation: str          # the forward: dispatch.chunk_o_implementation's answer
-
-    @property
-    def backward_implementation(self) -> str:
-        return dispatch.triton_counterpart(self.implementation)
+    implementation: str            # the forward: dispatch.chunk_o_implementation's answer
+    backward_implementation: str   # dispatch.chunk_o_backward_implementation's answer
 
     def stage_kwargs(self):
         return dict(scale=self.scale, chunk_size=self.chunk_size,
@@ -138,6 +140,13 @@ def _backward(q, k, v, h, g, runs, do, config: _Config):
             return jax.vjp(no_decay, q, k, v, h)[1](do) + (None,)
         decayed = lambda q, k, v, h, g: chunk_o_xla(q, k, v, h, g, runs, **kwargs)
         return jax.vjp(decayed, q, k, v, h, g)[1](do)
+    if implementation in ("mosaic", "mosaic_interpret"):
+        (q, k, v, h, do), unpad = _pad_to_tiles(q, k, v, h, do.astype(v.dtype),
+                                                width=dispatch.mosaic_padded_width)
+        dq, dk, dv, dh, dg = chunk_o_bwd_mosaic(q, k, v, h, g, runs, do,
+                                                interpret=implementation == "mosaic_interpret",
+                                                **kwargs)
+        return unpad(key=dq), unpad(key=dk), unpad(value=dv), unpad(state=dh), dg
     (q, k, v, h, do), unpad = _pad_to_tiles(q, k, v, h, do.astype(v.dtype))
     dq, dk, dv, dh, dg = chunk_o_bwd_pallas(q, k, v, h, g, runs, do,
                                             interpret=implementation == "interpret",

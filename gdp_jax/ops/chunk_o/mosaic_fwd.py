@@ -120,19 +120,20 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
         row_weight = jnp.exp2(g_row) if row_weight is None else row_weight * jnp.exp2(g_row)
 
     plgpu.barrier_wait(in_bar.at[0])
-    intra = None
-    for copy in range(m):
-        slot = copy % slots
-        plgpu.barrier_wait(k_bar.at[slot])
-        score = mg.dot_nt(q_s, k_s.at[slot], interpret)                     # [BT, BT] f32
-        score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
-        s_s.at[slot][...] = score.astype(s_s.dtype)
-        plgpu.commit_smem()                   # the register stores, visible to wgmma's reads
-        plgpu.barrier_wait(v_bar.at[slot])
-        term = mg.dot(s_s.at[slot], v_s.at[slot], interpret)               # [BT, BV] f32
-        intra = term if intra is None else intra + term
-        if copy + slots < m:                  # both reads of this slot are done (dot waited)
-            load_copy(copy + slots, slot)
+
+    def copies(mma):                          # sum_m (P ⊙ q k_m^T) @ v_m in one accumulator
+        for copy in range(m):
+            slot = copy % slots
+            plgpu.barrier_wait(k_bar.at[slot])
+            score = mg.dot_nt(q_s, k_s.at[slot], interpret)                 # [BT, BT] f32
+            score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
+            s_s.at[slot][...] = score.astype(s_s.dtype)
+            plgpu.commit_smem()               # the register stores, visible to wgmma's reads
+            plgpu.barrier_wait(v_bar.at[slot])
+            mma(s_s.at[slot], v_s.at[slot])
+            if copy + slots < m:              # both reads of this slot are done (mma waited)
+                load_copy(copy + slots, slot)
+    intra = mg.accumulate((bt, bv), copies, interpret)                      # [BT, BV] f32
 
     plgpu.barrier_wait(in_bar.at[1])
     state = mg.dot(q_s, h_s, interpret)                                     # [BT, BV] f32

@@ -168,6 +168,45 @@ def test_full_op():
     assert_close(final, p.ref["final_state"], tolerance("bfloat16"), "final_state")
 
 
+# Lowering for CUDA on this CPU host (jax.export) runs Mosaic GPU's own checks of the compiled
+# form: register layout inference, SMEM transforms and wgmma operands, the SMEM budget of the
+# H100/H200 (232448 bytes). What it does not check is the PTX and the run: the GPU tests do.
+LOWERING_CASES = [  # (B, T, H, K, V, M, dtype, gated, segments, backward)
+    (1, 128, 2, 64, 64, 1, "bfloat16", True, True, False),
+    (2, 150, 2, 128, 128, 3, "bfloat16", True, True, False),
+    (1, 100, 2, 256, 256, 2, "float16", False, True, False),
+    (1, 100, 2, 256, 192, 3, "bfloat16", True, False, False),
+    (1, 100, 2, 48, 100, 2, "bfloat16", True, False, False),
+    (1, 128, 2, 64, 64, 2, "bfloat16", True, True, True),
+    (1, 150, 2, 128, 128, 3, "bfloat16", True, True, True),
+    (1, 100, 2, 64, 128, 1, "float16", False, False, True),
+]
+
+
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_compiled_form_lowers_for_cuda(case):
+    batch, tokens, heads, key_dim, value_dim, m, dtype, gated, segments, backward = case
+    spec = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+    num_chunks = -(-tokens // 64)
+    args = [spec(batch, tokens, heads, key_dim), spec(batch, tokens * m, heads, key_dim),
+            spec(batch, tokens * m, heads, value_dim),
+            spec(batch, num_chunks, heads, key_dim, value_dim),
+            spec(batch, tokens, heads, dt="float32") if gated else None,
+            spec(batch, tokens, dt="int32") if segments else None]
+    op = lambda q, k, v, h, g, ids: gdp_jax.chunk_gdp_fwd_o(q, k, v, h, g, segment_ids=ids,
+                                                            implementation="mosaic")
+    fn = op
+    if backward:
+        argnums = (0, 1, 2, 3, 4) if gated else (0, 1, 2, 3)
+        fn = jax.grad(lambda *a: jnp.sum(op(*a).astype(jnp.float32)), argnums=argnums)
+    assert dispatch.chunk_o_implementation("mosaic", jnp.dtype(dtype), key_dim, value_dim, 64,
+                                           jnp.dtype(dtype)) == "mosaic"
+    if backward:
+        assert dispatch.chunk_o_backward_implementation("mosaic", key_dim, value_dim) == "mosaic"
+    module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in module
+
+
 @pytest.mark.parametrize("dtype,h_dtype,key_dim,value_dim,chunk_size,want", [
     ("bfloat16", "bfloat16", 128, 128, 64, "mosaic"),
     ("float16", "float16", 48, 256, 64, "mosaic"),          # 48 pads to 64

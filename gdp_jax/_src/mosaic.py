@@ -9,6 +9,7 @@ a kernel's indexing, masks and sums; synchronisation and layouts are checked onl
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax.numpy as jnp
 from jax import lax
@@ -43,19 +44,30 @@ def has_interpreter() -> bool:
     return interpret_params() is not None
 
 
+# jax 0.10's plgpu.load takes the index as a second argument; 0.11 deprecates it (index the ref).
+_LOAD_TAKES_INDEX = (inspect.signature(plgpu.load).parameters["idx"].default
+                     is inspect.Parameter.empty)
+
+
+def _load(ref, layout):
+    if _LOAD_TAKES_INDEX:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
 def row_vector(ref, interpret: bool):
     """A [N] f32 / int32 SMEM vector laid out for broadcasting along the columns of an [N, *]
     wgmma accumulator (one value per row)."""
     if interpret:
         return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    return _load(ref, plgpu.Layout.WGMMA.reduce(1))
 
 
 def column_vector(ref, interpret: bool):
     """A [N] SMEM vector laid out for broadcasting along the rows of an [*, N] accumulator."""
     if interpret:
         return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+    return _load(ref, plgpu.Layout.WGMMA.reduce(0))
 
 
 def iota(shape, dimension: int, interpret: bool):
@@ -69,7 +81,7 @@ def tile(ref, interpret: bool):
     """A 2-D SMEM tile loaded into registers in the wgmma accumulator's layout."""
     if interpret:
         return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+    return _load(ref, plgpu.Layout.WGMMA)
 
 
 def _operand(ref, transposed: bool, interpret: bool):
@@ -78,8 +90,10 @@ def _operand(ref, transposed: bool, interpret: bool):
     return plgpu.transpose_ref(ref, (1, 0)) if transposed else ref
 
 
-def accumulate(shape, body, interpret: bool):
-    """Runs ``body(mma)`` with one float32 accumulator of ``shape`` and returns its value.
+def accumulate(shape, body, interpret: bool, *, with_aux: bool = False):
+    """Runs ``body(mma)`` with one float32 accumulator of ``shape`` and returns its value (and,
+    ``with_aux``, what ``body`` returns: values made inside the accumulator's scope must leave it
+    that way, not by closure).
 
     ``mma(a, b, transpose_a=False, transpose_b=False)`` adds a @ b of two 16-bit SMEM tiles (either
     one read transposed) and waits for it, so that the body may overwrite a and b afterwards.
@@ -92,15 +106,15 @@ def accumulate(shape, body, interpret: bool):
             total[0] = total[0] + jnp.dot(_operand(a, transpose_a, True),
                                           _operand(b, transpose_b, True),
                                           preferred_element_type=jnp.float32)
-        body(mma)
-        return total[0]
+        aux = body(mma)
+        return (total[0], aux) if with_aux else total[0]
 
     def scope(acc):
         def mma(a, b, transpose_a=False, transpose_b=False):
             plgpu.wgmma(acc, _operand(a, transpose_a, False), _operand(b, transpose_b, False))
             plgpu.wgmma_wait(0)
-        body(mma)
-        return acc[...]
+        aux = body(mma)
+        return (acc[...], aux) if with_aux else acc[...]
     return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
 
 

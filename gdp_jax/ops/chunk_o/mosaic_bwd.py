@@ -98,7 +98,7 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
         dg_row = jnp.sum(state * do, axis=1) * row_scale
 
     def dq_body(mma):
-        nonlocal dg_row, dg_col
+        dg_row_, dg_col_ = dg_row, dg_col
         mma(wdo_s, h_s, transpose_b=True)
         for copy in range(m):
             plgpu.barrier_wait(kv_bar.at[0])
@@ -120,11 +120,13 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
                 load_copy(copy + 1)
             if has_g:
                 z = jnp.where(below_diagonal, score * (scale * dpv), 0.0)
-                dg_row = dg_row + jnp.sum(z, axis=1)
+                dg_row_ = dg_row_ + jnp.sum(z, axis=1)
                 col = jnp.sum(z, axis=0)
-                dg_col = col if dg_col is None else dg_col + col
+                dg_col_ = col if dg_col_ is None else dg_col_ + col
+        return dg_row_, dg_col_
 
-    dq = mg.accumulate((bt, q_s.shape[1]), dq_body, interpret)              # [BT, K]
+    dq, (dg_row, dg_col) = mg.accumulate((bt, q_s.shape[1]), dq_body, interpret,
+                                         with_aux=True)                     # dq [BT, K]
     plgpu.wait_smem_to_gmem(0)                  # dh, dk, dv have left SMEM
     dk_s[...] = dq.astype(dk_s.dtype)          # dk's tile is free: dq leaves through it
     plgpu.commit_smem()

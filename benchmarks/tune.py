@@ -11,6 +11,8 @@
 Stages (each kernel as the op calls it, on inputs from common.make_problems; ``--list`` prints a
 stage's BlockSizes fields, default and sweep):
   chunk_o_fwd  ops.chunk_o.pallas_fwd.chunk_o_fwd_pallas (q, k, v, h, g, runs)
+  chunk_o_fwd_mosaic  ops.chunk_o.mosaic_fwd.chunk_o_fwd_mosaic (the same operands; 16-bit,
+               --chunk 64; interpreted by Mosaic GPU's interpreter on a CPU)
   chunk_o_bwd  ops.chunk_o.pallas_bwd.chunk_o_bwd_pallas (q, k, v, h, g, runs, do)
   wy           ops.wy.pallas_fwd.wy_pallas on the full op's sub-chunk grid
   walk         ops.chunk_h.pallas_fwd.chunk_h_pallas on it (w, u from the default WY kernel)
@@ -101,6 +103,11 @@ class Stage:
     def sweep(self, shape, default):
         return []
 
+    def check(self, sizes, shape):
+        """Raises ValueError where ``sizes`` do not tile the shape."""
+        if hasattr(sizes, "check"):
+            sizes.check(shape["K"], shape["V"])
+
 
 def _tile_widths(shape):
     return all(n >= 16 and not n & (n - 1) for n in (shape["K"], shape["V"]))
@@ -153,6 +160,37 @@ class ChunkOFwd(Stage):
         for warps in (2, 8):
             add(dict(num_warps=warps))
         return out
+
+
+class ChunkOFwdMosaic(ChunkOFwd):
+    """The Mosaic GPU forward (16-bit, chunk 64, K and V multiples of 64); interpreted on a CPU."""
+
+    def inputs(self, problems):
+        p = problems[0]
+        if p.q.dtype.itemsize != 2 or p.chunk_size != 64 or p.shape["K"] % 64 or p.shape["V"] % 64:
+            raise ValueError("chunk_o_fwd_mosaic takes 16-bit inputs, --chunk 64 and K, V multiples "
+                             "of 64")
+        return super().inputs(problems)
+
+    def default(self, shape, p):
+        from gdp_jax.ops.chunk_o import mosaic_fwd
+        return mosaic_fwd.default_block_sizes(shape["K"], shape["V"], shape["M"])
+
+    def call(self, sizes, options, shape, p, interpret):
+        from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_o_fwd_mosaic
+        kw = dict(scale=shape["K"] ** -0.5, chunk_size=p.chunk_size, num_householder=shape["M"])
+        return lambda q, k, v, h, g, runs: chunk_o_fwd_mosaic(
+            q, k, v, h, g, runs, interpret=interpret, block_sizes=sizes, **kw)
+
+    def check(self, sizes, shape):
+        sizes.check(shape["K"], shape["V"], shape["M"])
+
+    def sweep(self, shape, default):
+        # Narrower value programs and fewer slots: less SMEM, so more programs share an SM.
+        return [dict(block_v=bv, slots=slots) for bv in (64, 128, 256)
+                if bv <= shape["V"] and shape["V"] % bv == 0
+                for slots in range(1, shape["M"] + 1)
+                if (bv, slots) != (default.block_v, default.slots)]
 
 
 class ChunkOBwd(ChunkOFwd):
@@ -338,7 +376,7 @@ class WyBwd(Wy):
         return out
 
 
-STAGES = dict(chunk_o_fwd=ChunkOFwd, chunk_o_bwd=ChunkOBwd, wy=Wy, walk=Walk, walk_bwd=WalkBwd,
+STAGES = dict(chunk_o_fwd=ChunkOFwd, chunk_o_fwd_mosaic=ChunkOFwdMosaic, chunk_o_bwd=ChunkOBwd, wy=Wy, walk=Walk, walk_bwd=WalkBwd,
               wy_bwd=WyBwd)
 
 
@@ -485,8 +523,7 @@ def run_configs(stage, plan, default, sets, shp, p0, args, phases, timing, bandw
         rows[name] = row
         try:
             sizes, options = make_sizes(stage, default, over)
-            if hasattr(sizes, "check"):
-                sizes.check(shp["K"], shp["V"])
+            stage.check(sizes, shp)
         except (ValueError, TypeError) as e:
             row["error"] = f"does not fit: {e}"
             log(f"  {name:32s} does not fit: {e}")

@@ -334,6 +334,20 @@ def test_tune_stage(stage, capsys, tmp_path):
         assert column in header_of(printed), column
 
 
+def test_tune_mosaic_stage(tmp_path):
+    """The Mosaic GPU forward's stage (interpreted here): its slot and value-program configs give
+    the default's outputs, and a config outside the problem is reported, not run."""
+    out = tmp_path / "tune.json"
+    script("tune").main(["--stage", "chunk_o_fwd_mosaic", "--shapes",
+                         "B=1,T=100,H=1,K=64,V=128,M=2,segs=2", "--chunk", "64", "--dtype", "bf16",
+                         "--configs", "s1:slots=1;v64:block_v=64;bad:slots=3", "--sets", "1",
+                         "--out", str(out), "--reps", "1", "--target-ms", "1", *COPY])
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    for name in ("s1", "v64"):
+        assert rows[name]["ok"] and rows[name]["relerr"] == 0.0, rows[name]
+    assert rows["bad"]["error"].startswith("does not fit") and "slots" in rows["bad"]["error"]
+
+
 def test_tune_ab_rounds_list_and_budget(capsys):
     tune = script("tune")
     result = tune.main(["--stage", "chunk_o_fwd", "--shapes", "B=1,T=32,H=1,K=16,V=16,M=1",

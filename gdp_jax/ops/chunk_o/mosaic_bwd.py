@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from gdp_jax._src import mosaic as mg
 from gdp_jax._src.dispatch import MOSAIC_CHUNK_SIZE as CHUNK_SIZE
 from gdp_jax._src.pallas import LN2
-from gdp_jax._src.segments import segment_start_rows
+from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_weights, stream_operands
 
 
 def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, has_g: bool,
@@ -56,23 +56,10 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd], v_s, kv_bar.at[1])
     load_copy(0)
 
-    # Masks and weights (as in mosaic_fwd), in accumulator layout.
-    pair = (bt, bt)
-    t_ids, s_ids = mg.iota(pair, 0, interpret), mg.iota(pair, 1, interpret)
-    pair_mask = (s_ids <= t_ids) & (t_ids < tokens - c * bt)
-    row_weight = None
-    if has_segments:
-        plgpu.barrier_wait(in_bar.at[4])
-        start_row = mg.row_vector(sr_s, interpret)
-        pair_mask &= s_ids >= mg.broadcast_rows(start_row, pair)
-        row_weight = jnp.where(start_row == 0, 1.0, 0.0)
-    pair_weight = None
-    if has_g:
-        plgpu.barrier_wait(in_bar.at[3])
-        g_row, g_col = mg.row_vector(g_s, interpret), mg.column_vector(g_s, interpret)
-        exponent = mg.broadcast_rows(g_row, pair) - mg.broadcast_columns(g_col, pair)
-        pair_weight = jnp.where(pair_mask, jnp.exp2(exponent), 0.0)
-        row_weight = jnp.exp2(g_row) if row_weight is None else row_weight * jnp.exp2(g_row)
+    w = chunk_weights(tokens - c * bt, g_s if has_g else None, in_bar.at[3],
+                      sr_s if has_segments else None, in_bar.at[4], interpret)
+    pair_mask, pair_weight, row_weight = w.pair_mask, w.pair_weight, w.row_weight
+    t_ids, s_ids = w.ids
     below_diagonal = pair_mask & (s_ids < t_ids)
 
     def weigh(x):                                   # P ⊙ x
@@ -150,21 +137,8 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     batch, tokens, heads, key_dim = q.shape
     value_dim, m, num_chunks = v.shape[-1], num_householder, h.shape[1]
     padded_tokens = num_chunks * chunk_size
-    pad = padded_tokens - tokens
-
-    def pad_tokens(x, per_token):
-        if not pad:
-            return x
-        return jnp.pad(x, [(0, 0), (0, pad * per_token)] + [(0, 0)] * (x.ndim - 2))
-
-    operands = [pad_tokens(q, 1),
-                pad_tokens(k, m).reshape(batch, padded_tokens, m * heads, key_dim),
-                pad_tokens(v, m).reshape(batch, padded_tokens, m * heads, value_dim), h,
-                pad_tokens(do.astype(v.dtype), 1)]
-    if g is not None:
-        operands.append(jnp.moveaxis(pad_tokens(g.astype(jnp.float32), 1), 1, 2))  # [B, H, Tp]
-    if runs is not None:
-        operands.append(pad_tokens(segment_start_rows(runs, chunk_size), 1))      # [B, Tp]
+    operands = stream_operands(q, k, v, h, g, runs, do.astype(v.dtype), num_householder=m,
+                               chunk_size=chunk_size)
 
     dtype, bt = q.dtype, chunk_size
     tiles = mg.tile_transforms(dtype)
@@ -202,7 +176,5 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     dg = None
     if g is not None:
         dg = jnp.moveaxis(dg_parts[0] - dg_parts[1], 1, 2)                   # [B, Tp, H]
-    if pad:
-        dq, dk, dv = dq[:, :tokens], dk[:, :tokens * m], dv[:, :tokens * m]
-        dg = None if dg is None else dg[:, :tokens]
-    return dq, dk, dv, dh, dg
+    return (dq[:, :tokens], dk[:, :tokens * m], dv[:, :tokens * m], dh,
+            None if dg is None else dg[:, :tokens])

@@ -73,6 +73,69 @@ def default_block_sizes(key_dim: int, value_dim: int, num_householder: int) -> B
     return BlockSizes(block_v=block_v, slots=min(num_householder, 2))
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkWeights:
+    """One chunk's masks and decay weights (``pallas.chunk_weights``' rule), in the wgmma
+    accumulator's layout. pair_mask [BT, BT] bool = [s <= t, same(s, t), t real]; pair_weight
+    [BT, BT] f32 = pair_mask 2^(g[t] - g[s]), None without g; row_weight [BT] f32 =
+    [same(t, c0)] 2^g[t] (row layout), None when all ones; ids: the (t, s) index tiles."""
+    pair_mask: jax.Array
+    pair_weight: Optional[jax.Array]
+    row_weight: Optional[jax.Array]
+    ids: tuple
+
+
+def chunk_weights(rows_left, g_s, g_barrier, start_row_s, starts_barrier,
+                  interpret: bool) -> ChunkWeights:
+    """The weights of the chunk whose g and segment start rows are being copied into ``g_s`` and
+    ``start_row_s`` (each None when absent) on the given barriers; ``rows_left`` = T - c0, its
+    real rows (the last chunk may be partial)."""
+    pair = (CHUNK_SIZE, CHUNK_SIZE)
+    t_ids, s_ids = mg.iota(pair, 0, interpret), mg.iota(pair, 1, interpret)
+    pair_mask = (s_ids <= t_ids) & (t_ids < rows_left)
+    row_weight = None
+    if start_row_s is not None:
+        plgpu.barrier_wait(starts_barrier)
+        start_row = mg.row_vector(start_row_s, interpret)
+        pair_mask &= s_ids >= mg.broadcast_rows(start_row, pair)
+        row_weight = jnp.where(start_row == 0, 1.0, 0.0)
+    pair_weight = None
+    if g_s is not None:
+        plgpu.barrier_wait(g_barrier)
+        g_row, g_col = mg.row_vector(g_s, interpret), mg.column_vector(g_s, interpret)
+        exponent = mg.broadcast_rows(g_row, pair) - mg.broadcast_columns(g_col, pair)
+        # Outside the mask the exponent may overflow; the select drops it before any product.
+        pair_weight = jnp.where(pair_mask, jnp.exp2(exponent), 0.0)
+        row_weight = jnp.exp2(g_row) if row_weight is None else row_weight * jnp.exp2(g_row)
+    return ChunkWeights(pair_mask, pair_weight, row_weight, (t_ids, s_ids))
+
+
+def stream_operands(q, k, v, h, g, runs, *value_width, num_householder: int, chunk_size: int):
+    """The kernels' operands: q, k and v viewed as [B, Tp, M*H, *] (copy m of head h is "head"
+    m*H + h), h, the ``value_width`` [B, T, H, V] arrays, g as [B, H, Tp] float32 and the
+    segment start rows [B, Tp] (those two only when given), Tp = T padded to whole chunks (a copy
+    only where T is ragged)."""
+    batch, tokens, heads, key_dim = q.shape
+    value_dim, m = v.shape[-1], num_householder
+    padded_tokens = h.shape[1] * chunk_size
+    pad = padded_tokens - tokens
+
+    def pad_tokens(x, per_token=1):
+        if not pad:
+            return x
+        return jnp.pad(x, [(0, 0), (0, pad * per_token)] + [(0, 0)] * (x.ndim - 2))
+
+    operands = [pad_tokens(q),
+                pad_tokens(k, m).reshape(batch, padded_tokens, m * heads, key_dim),
+                pad_tokens(v, m).reshape(batch, padded_tokens, m * heads, value_dim), h,
+                *(pad_tokens(x) for x in value_width)]
+    if g is not None:
+        operands.append(jnp.moveaxis(pad_tokens(g.astype(jnp.float32)), 1, 2))
+    if runs is not None:
+        operands.append(pad_tokens(segment_start_rows(runs, chunk_size)))
+    return operands
+
+
 def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
             has_g: bool, has_segments: bool, sizes: BlockSizes, interpret: bool, scratch):
     m, bt, slots, bv = num_householder, CHUNK_SIZE, sizes.slots, sizes.block_v
@@ -100,24 +163,9 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
     if has_segments:
         plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[3])
 
-    # Masks and decay weights of the chunk (pallas.chunk_weights' rule), in accumulator layout.
-    pair = (bt, bt)
-    t_ids, s_ids = mg.iota(pair, 0, interpret), mg.iota(pair, 1, interpret)
-    pair_mask = (s_ids <= t_ids) & (t_ids < tokens - c * bt)    # the last chunk may be partial
-    row_weight = None
-    if has_segments:
-        plgpu.barrier_wait(in_bar.at[3])
-        start_row = mg.row_vector(sr_s, interpret)
-        pair_mask &= s_ids >= mg.broadcast_rows(start_row, pair)
-        row_weight = jnp.where(start_row == 0, 1.0, 0.0)
-    pair_weight = None
-    if has_g:
-        plgpu.barrier_wait(in_bar.at[2])
-        g_row, g_col = mg.row_vector(g_s, interpret), mg.column_vector(g_s, interpret)
-        exponent = mg.broadcast_rows(g_row, pair) - mg.broadcast_columns(g_col, pair)
-        # Outside the mask the exponent may overflow; the select drops it before any product.
-        pair_weight = jnp.where(pair_mask, jnp.exp2(exponent), 0.0)
-        row_weight = jnp.exp2(g_row) if row_weight is None else row_weight * jnp.exp2(g_row)
+    w = chunk_weights(tokens - c * bt, g_s if has_g else None, in_bar.at[2],
+                      sr_s if has_segments else None, in_bar.at[3], interpret)
+    pair_mask, pair_weight, row_weight = w.pair_mask, w.pair_weight, w.row_weight
 
     plgpu.barrier_wait(in_bar.at[0])
 
@@ -162,20 +210,7 @@ def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, m)
     sizes.check(key_dim, value_dim, m)
     padded_tokens = num_chunks * chunk_size
-    pad = padded_tokens - tokens
-
-    def pad_tokens(x, per_token):
-        if not pad:
-            return x
-        return jnp.pad(x, [(0, 0), (0, pad * per_token)] + [(0, 0)] * (x.ndim - 2))
-
-    operands = [pad_tokens(q, 1),
-                pad_tokens(k, m).reshape(batch, padded_tokens, m * heads, key_dim),
-                pad_tokens(v, m).reshape(batch, padded_tokens, m * heads, value_dim), h]
-    if g is not None:
-        operands.append(jnp.moveaxis(pad_tokens(g.astype(jnp.float32), 1), 1, 2))  # [B, H, Tp]
-    if runs is not None:
-        operands.append(pad_tokens(segment_start_rows(runs, chunk_size), 1))      # [B, Tp]
+    operands = stream_operands(q, k, v, h, g, runs, num_householder=m, chunk_size=chunk_size)
 
     dtype, bv, bt = q.dtype, sizes.block_v, chunk_size
     tiles = mg.tile_transforms(dtype)
@@ -203,5 +238,4 @@ def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
         body, out_type=jax.ShapeDtypeStruct((batch, padded_tokens, heads, value_dim), v.dtype),
         scratch_types=scratch, grid=(value_dim // bv, heads, num_chunks, batch),
         grid_names=("value", "head", "chunk", "batch"), interpret=interpret)
-    o = call(*operands)
-    return o[:, :tokens] if pad else o
+    return call(*operands)[:, :tokens]

@@ -3,8 +3,9 @@
 Implementations: "xla" (jnp, any backend), "pallas" (Triton kernels, compiled for a GPU),
 "interpret" (the same kernels in Pallas' interpreter: CPU tests), "mosaic" (chunk_gdp_fwd_o's
 forward and backward as Mosaic GPU kernels, every other kernel as for "pallas"),
-"mosaic_interpret" (those kernels in Mosaic GPU's interpreter, the others as for "interpret"). ``None`` means "pallas" on a
-GPU backend whose Pallas has the Triton lowering, "mosaic" on one without it, "xla" elsewhere.
+"mosaic_interpret" (those kernels in Mosaic GPU's interpreter, the others as for "interpret").
+``None`` means "pallas" on a GPU backend whose Pallas has the Triton lowering, "mosaic" on one
+without it, "xla" elsewhere.
 
 Where a request cannot run as asked, it runs the next implementation down, never fails at launch:
 

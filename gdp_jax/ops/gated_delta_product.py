@@ -64,12 +64,14 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       use_qk_l2norm: L2-normalise q and k (per position, eps 1e-6) inside the op; the gradient
         flows through the normalisation.
       chunk_size: power of two in [16, 128].
-      implementation: "pallas", "xla", "interpret" or None, as for chunk_gdp_fwd_o: "xla" is jnp
-        throughout; "pallas" (GPU) and "interpret" run the WY, state-walk and output stages as
-        Pallas kernels, forward and backward (float32 inputs: the WY kernels' dots are TF32x3,
-        float32-level, the other kernels' TF32, within SPEC's GPU tolerance). Under "pallas",
-        K or V above 256 run the jnp stages, and so does chunk_o where its kernels would not fit (see
-        chunk_gdp_fwd_o).
+      implementation: "pallas", "xla", "interpret", "mosaic", "mosaic_interpret" or None, as for
+        chunk_gdp_fwd_o: "xla" is jnp throughout; "pallas" (GPU) and "interpret" run the WY,
+        state-walk and output stages as Pallas kernels, forward and backward (float32 inputs: the
+        WY kernels' dots are TF32x3, float32-level, the other kernels' TF32, within SPEC's GPU
+        tolerance). Under "pallas", K or V above 256 run the jnp stages, and so does chunk_o where
+        its kernels would not fit (see chunk_gdp_fwd_o). "mosaic" / "mosaic_interpret": the
+        output stage on its Mosaic GPU kernels where chunk_gdp_fwd_o's rule takes them, the WY
+        and walk stages as for "pallas" / "interpret".
 
     Returns:
       (o, final_state): o [B, T, H, V] in v's dtype; final_state [B, H, K, V] float32, or None

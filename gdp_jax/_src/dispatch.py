@@ -77,13 +77,16 @@ def mosaic_padded_width(n: int) -> int:
     return -(-n // MOSAIC_TILE) * MOSAIC_TILE
 
 
+def _mosaic_width(key_dim: int, value_dim: int) -> int:
+    return max(mosaic_padded_width(key_dim), mosaic_padded_width(value_dim))
+
+
 def mosaic_supported(dtype, h_dtype, key_dim: int, value_dim: int, chunk_size: int) -> bool:
     """Whether chunk_o's Mosaic GPU forward runs the case: 16-bit q, k, v with h of the same
     dtype (wgmma's operands), chunk 64, K and V padded to multiples of 64 up to 256."""
     return (jnp.dtype(dtype).itemsize == 2 and jnp.dtype(h_dtype) == jnp.dtype(dtype)
             and chunk_size == MOSAIC_CHUNK_SIZE
-            and max(mosaic_padded_width(key_dim), mosaic_padded_width(value_dim))
-            <= KERNEL_MAX_WIDTH)
+            and _mosaic_width(key_dim, value_dim) <= KERNEL_MAX_WIDTH)
 
 
 MOSAIC_BWD_MAX_WIDTH = 128   # the backward's SMEM tiles: 193 KiB at K = V = 128 (227 KiB on an H200)
@@ -93,8 +96,8 @@ def chunk_o_backward_implementation(forward: str, key_dim: int, value_dim: int) 
     """What chunk_gdp_fwd_o's backward runs, given its forward's implementation (the answer of
     ``chunk_o_implementation``): the Mosaic GPU backward where the forward ran on Mosaic GPU and K
     and V pad to at most MOSAIC_BWD_MAX_WIDTH, else ``triton_counterpart``."""
-    if forward in ("mosaic", "mosaic_interpret") and max(
-            mosaic_padded_width(key_dim), mosaic_padded_width(value_dim)) <= MOSAIC_BWD_MAX_WIDTH:
+    if (forward in ("mosaic", "mosaic_interpret")
+            and _mosaic_width(key_dim, value_dim) <= MOSAIC_BWD_MAX_WIDTH):
         return forward
     return triton_counterpart(forward)
 

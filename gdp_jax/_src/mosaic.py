@@ -4,7 +4,8 @@ whose compiled form Mosaic GPU's CPU interpreter does not run (docs/mosaic_gpu.m
 Each helper takes ``interpret``. Compiled, it is the Mosaic GPU form: register layouts given
 where Hopper's wgmma fragments need them, the transposed wgmma operand as a transposed SMEM view.
 Interpreted, it is the same arithmetic in plain jnp on the loaded values, so that CPU tests check
-a kernel's indexing, masks and sums; synchronisation and layouts are checked only on a GPU.
+a kernel's indexing, masks and sums; lowering for CUDA checks the compiled form's layouts and SMEM
+budget, and only a GPU its synchronisation.
 """
 from __future__ import annotations
 
@@ -154,9 +155,4 @@ def kernel(body, *, out_type, scratch_types, grid, grid_names, interpret: bool):
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=grid,
                         grid_names=grid_names,
                         interpret=interpret_params() if interpret else None)
-
-
-def axis(name: str):
-    """This program's index along the named grid axis."""
-    return lax.axis_index(name)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -40,7 +41,7 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     dq_g, dk_g, dv_g, dh_g, dg_g = refs[-5:]
     (q_s, do_s, h_s, k_s, v_s, wdo_s, s_s, da_s, dh_s, dk_s, dv_s, g_s, sr_s, dg_s,
      in_bar, kv_bar) = scratch
-    hd, c, b = (mg.axis(n) for n in ("head", "chunk", "batch"))
+    hd, c, b = (lax.axis_index(n) for n in ("head", "chunk", "batch"))
     rows = pl.ds(c * bt, bt)
 
     plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
@@ -129,9 +130,9 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
 
 def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int,
                        num_householder: int, interpret: bool = False):
-    """(dq, dk, dv, dh, dg) for inputs ``dispatch.mosaic_bwd_supported`` accepts, K and V padded
-    to multiples of 64: dq, dk, dv in q's, k's, v's dtype, dh in h's, dg [B, T, H] float32 or
-    None without g. Arguments as ``chunk_o_fwd_mosaic``'s, and do [B, T, H, V]."""
+    """(dq, dk, dv, dh, dg) for inputs ``dispatch.chunk_o_backward_implementation`` routes here,
+    K and V padded to multiples of 64: dq, dk, dv in q's, k's, v's dtype, dh in h's, dg [B, T, H]
+    float32 or None without g. Arguments as ``chunk_o_fwd_mosaic``'s, and do [B, T, H, V]."""
     if chunk_size != CHUNK_SIZE:
         raise ValueError(f"the Mosaic GPU kernel takes chunk_size {CHUNK_SIZE}; got {chunk_size}")
     batch, tokens, heads, key_dim = q.shape

@@ -31,6 +31,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -139,13 +140,12 @@ def stream_operands(q, k, v, h, g, runs, *value_width, num_householder: int, chu
 def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
             has_g: bool, has_segments: bool, sizes: BlockSizes, interpret: bool, scratch):
     m, bt, slots, bv = num_householder, CHUNK_SIZE, sizes.slots, sizes.block_v
-    refs = list(refs)
     q_g, k_g, v_g, h_g = refs[:4]
     g_g = refs[4] if has_g else None
     sr_g = refs[4 + has_g] if has_segments else None
     o_g = refs[-1]
     (q_s, k_s, v_s, h_s, s_s, o_s, g_s, sr_s, in_bar, k_bar, v_bar) = scratch
-    vb, hd, c, b = (mg.axis(n) for n in ("value", "head", "chunk", "batch"))
+    vb, hd, c, b = (lax.axis_index(n) for n in ("value", "head", "chunk", "batch"))
     rows = pl.ds(c * bt, bt)
     cols = pl.ds(vb * bv, bv)
 

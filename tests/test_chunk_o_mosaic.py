@@ -147,12 +147,35 @@ def test_backward_routing_reaches_the_kernel():
     """The op's backward under "mosaic_interpret" is the Mosaic kernel up to K, V = 128 and the
     Triton kernel past it: without this a routing change would let the op-level tests pass on
     the Triton kernel."""
+    bf16, f32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
     rule = dispatch.chunk_o_backward_implementation
-    assert rule("mosaic_interpret", 128, 100) == "mosaic_interpret"
-    assert rule("mosaic_interpret", 192, 64) == "interpret"
-    assert rule("mosaic", 64, 256) == "pallas"
-    assert rule("interpret", 64, 64) == "interpret"
-    assert rule("xla", 64, 64) == "xla"
+    assert rule("mosaic_interpret", bf16, 128, 100, 64) == "mosaic_interpret"
+    assert rule("mosaic_interpret", bf16, 192, 64, 64) == "interpret"
+    assert rule("mosaic", bf16, 64, 256, 64) == "pallas"
+    assert rule("mosaic", f32, 64, 64, 64) == "pallas"
+    assert rule("interpret", bf16, 64, 64, 64) == "interpret"
+    assert rule("xla", bf16, 64, 64, 64) == "xla"
+
+
+@pytest.mark.parametrize("dtype,h_dtype,key_dim,value_dim,chunk_size,mosaic", [
+    ("bfloat16", "bfloat16", 128, 100, 64, True),
+    ("float16", "float16", 64, 64, 64, True),
+    ("bfloat16", "bfloat16", 192, 128, 64, False),     # the backward's SMEM: K, V up to 128
+    ("bfloat16", "float32", 128, 128, 64, False),      # h of another dtype
+    ("float32", "float32", 64, 64, 64, False),
+    ("bfloat16", "bfloat16", 64, 64, 32, False),
+])
+def test_pallas_takes_the_mosaic_backward_where_it_runs(dtype, h_dtype, key_dim, value_dim,
+                                                       chunk_size, mosaic, monkeypatch):
+    """"pallas" (None's choice on a GPU) runs chunk_o's backward on Mosaic GPU where that kernel
+    runs, on jax >= 0.11 (where it was run and timed), and the Triton backward elsewhere."""
+    assert dispatch.mosaic_backward_by_default() == (
+        tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11))
+    args = (jnp.dtype(dtype), key_dim, value_dim, chunk_size, jnp.dtype(h_dtype))
+    for by_default in (True, False):
+        monkeypatch.setattr(dispatch, "mosaic_backward_by_default", lambda: by_default)
+        want = "mosaic" if mosaic and by_default else "pallas"
+        assert dispatch.chunk_o_backward_implementation("pallas", *args) == want
 
 
 @needs_interpreter
@@ -177,6 +200,7 @@ LOWERING_CASES = [  # (B, T, H, K, V, M, dtype, gated, segments, backward)
     (1, 100, 2, 256, 256, 2, "float16", False, True, False),
     (1, 100, 2, 256, 192, 3, "bfloat16", True, False, False),
     (1, 100, 2, 48, 100, 2, "bfloat16", True, False, False),
+    (1, 100, 2, 128, 192, 2, "bfloat16", True, False, False),    # V = 192: 64-wide programs
     (1, 128, 2, 64, 64, 2, "bfloat16", True, True, True),
     (1, 150, 2, 128, 128, 3, "bfloat16", True, True, True),
     (1, 100, 2, 64, 128, 1, "float16", False, False, True),
@@ -202,7 +226,8 @@ def test_compiled_form_lowers_for_cuda(case):
     assert dispatch.chunk_o_implementation("mosaic", jnp.dtype(dtype), key_dim, value_dim, 64,
                                            jnp.dtype(dtype)) == "mosaic"
     if backward:
-        assert dispatch.chunk_o_backward_implementation("mosaic", key_dim, value_dim) == "mosaic"
+        assert dispatch.chunk_o_backward_implementation("mosaic", jnp.dtype(dtype), key_dim,
+                                                        value_dim, 64) == "mosaic"
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     assert "mosaic_gpu" in module
 
@@ -233,9 +258,12 @@ def test_routing_rule(dtype, h_dtype, key_dim, value_dim, chunk_size, want):
 
 
 def test_default_block_sizes():
-    assert default_block_sizes(128, 128, 2) == BlockSizes(block_v=128, slots=2)
-    assert default_block_sizes(64, 256, 3) == BlockSizes(block_v=128, slots=2)
-    assert default_block_sizes(256, 256, 1) == BlockSizes(block_v=64, slots=1)
+    assert default_block_sizes(128, 128, 2) == BlockSizes(block_v=128, slots=1)
+    assert default_block_sizes(64, 256, 3) == BlockSizes(block_v=128, slots=1)
+    assert default_block_sizes(128, 192, 2) == BlockSizes(block_v=64, slots=1)
+    assert default_block_sizes(64, 64, 2) == BlockSizes(block_v=64, slots=1)
+    assert default_block_sizes(256, 256, 1) == BlockSizes(block_v=128, slots=1)
+    assert default_block_sizes(256, 192, 3) == BlockSizes(block_v=64, slots=2)
     with pytest.raises(ValueError, match="block_v"):
         BlockSizes(block_v=96).check(128, 128, 2)
     with pytest.raises(ValueError, match="slots"):

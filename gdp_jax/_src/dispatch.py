@@ -1,9 +1,10 @@
 """Which implementation, dtype and kernel runs, decided in one place from plain values.
 
 Implementations: "xla" (jnp, any backend), "pallas" (Triton kernels, compiled for a GPU),
-"interpret" (the same kernels in Pallas' interpreter: CPU tests), "mosaic" (chunk_gdp_fwd_o's
+"interpret" (the Triton kernels in Pallas' interpreter: CPU tests), "mosaic" (chunk_gdp_fwd_o's
 forward and backward as Mosaic GPU kernels, every other kernel as for "pallas"),
 "mosaic_interpret" (those kernels in Mosaic GPU's interpreter, the others as for "interpret").
+"pallas" runs Triton kernels except where the table below gives a Mosaic GPU one.
 ``None`` means "pallas" on a GPU backend whose Pallas has the Triton lowering, "mosaic" on one
 without it, "xla" elsewhere.
 
@@ -16,6 +17,7 @@ Where a request cannot run as asked, it runs the next implementation down, never
 | "pallas" chunk_o, 4-byte inputs, K padded above 128, chunk 128 | "xla" (chunk_o only) | the [128, 256] f32 q and k tiles alone are 256 KiB; the forward asks 256 KiB of shared memory, the backward 288 KiB (227 KiB on an H200) |
 | "mosaic" chunk_o outside ``mosaic_supported`` (4-byte inputs, h of another dtype, chunk other than 64, K or V padded above 256) | the "pallas" rule, both directions | wgmma takes 16-bit operands in 64-row tiles; SMEM holds K, V up to 256 |
 | "mosaic" chunk_o backward, K or V padded above 128 | the "pallas" rule | the backward's SMEM tiles hold K, V up to 128 |
+| "pallas" chunk_o backward where the Mosaic one runs (jax >= 0.11) | the Mosaic GPU backward | 1.2-1.4x faster than the Triton backward on an H200 (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
 | "mosaic", the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
 
 The interpreters have no shared-memory limit and run every 2- and 4-byte input (the Mosaic GPU
@@ -92,14 +94,34 @@ def mosaic_supported(dtype, h_dtype, key_dim: int, value_dim: int, chunk_size: i
 MOSAIC_BWD_MAX_WIDTH = 128   # the backward's SMEM tiles: 193 KiB at K = V = 128 (227 KiB on an H200)
 
 
-def chunk_o_backward_implementation(forward: str, key_dim: int, value_dim: int) -> str:
+def chunk_o_backward_implementation(forward: str, dtype, key_dim: int, value_dim: int,
+                                    chunk_size: int, h_dtype=None) -> str:
     """What chunk_gdp_fwd_o's backward runs, given its forward's implementation (the answer of
-    ``chunk_o_implementation``): the Mosaic GPU backward where the forward ran on Mosaic GPU and K
-    and V pad to at most MOSAIC_BWD_MAX_WIDTH, else ``triton_counterpart``."""
-    if (forward in ("mosaic", "mosaic_interpret")
-            and _mosaic_width(key_dim, value_dim) <= MOSAIC_BWD_MAX_WIDTH):
+    ``chunk_o_implementation`` for the same arguments): the Mosaic GPU backward where
+    ``mosaic_backward_supported``, under "mosaic" and (measured faster, see the module's table)
+    under "pallas"; else ``triton_counterpart``. "interpret" keeps the Triton backward: it is the
+    interpreter of the Triton kernels."""
+    fits = mosaic_backward_supported(dtype, dtype if h_dtype is None else h_dtype, key_dim,
+                                     value_dim, chunk_size)
+    if forward in ("mosaic", "mosaic_interpret") and fits:
         return forward
+    if forward == "pallas" and fits and mosaic_backward_by_default():
+        return "mosaic"
     return triton_counterpart(forward)
+
+
+def mosaic_backward_supported(dtype, h_dtype, key_dim: int, value_dim: int,
+                              chunk_size: int) -> bool:
+    """Whether chunk_o's Mosaic GPU backward runs the case: what the forward takes, with K and V
+    padded to at most MOSAIC_BWD_MAX_WIDTH."""
+    return (mosaic_supported(dtype, h_dtype, key_dim, value_dim, chunk_size)
+            and _mosaic_width(key_dim, value_dim) <= MOSAIC_BWD_MAX_WIDTH)
+
+
+def mosaic_backward_by_default() -> bool:
+    """Whether "pallas" takes chunk_o's Mosaic GPU backward: on the jax it was run and timed on
+    (0.11; on 0.10 it is only lowered, never run)."""
+    return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
 def kernel_dtype_supported(dtype) -> bool:

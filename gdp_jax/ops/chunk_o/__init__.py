@@ -98,7 +98,7 @@ def chunk_o(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_household
     config = _Config(scale=scale, chunk_size=chunk_size, num_householder=num_householder,
                      implementation=forward,
                      backward_implementation=dispatch.chunk_o_backward_implementation(
-                         forward, q.shape[-1], v.shape[-1]))
+                         forward, q.dtype, q.shape[-1], v.shape[-1], chunk_size, h.dtype))
     return _chunk_o(q, k, v, h, g, runs, config)
 
 

@@ -47,18 +47,20 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
     plgpu.copy_gmem_to_smem(do_g.at[b, rows, hd], do_s, in_bar.at[1])
     plgpu.copy_gmem_to_smem(h_g.at[b, c, hd], h_s, in_bar.at[2])
+    g_copies = (g_s.at[0], g_s.at[1]) if has_g else None      # read per row, per column
     if has_g:
-        plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_s, in_bar.at[3])
+        for i, g_copy in enumerate(g_copies):
+            plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_copy, in_bar.at[3 + i])
     if has_segments:
-        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[4])
+        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[5])
 
     def load_copy(copy):
         plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s, kv_bar.at[0])
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd], v_s, kv_bar.at[1])
     load_copy(0)
 
-    w = chunk_weights(tokens - c * bt, g_s if has_g else None, in_bar.at[3],
-                      sr_s if has_segments else None, in_bar.at[4], interpret)
+    w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[3], in_bar.at[4]),
+                      sr_s if has_segments else None, in_bar.at[5], interpret)
     pair_mask, pair_weight, row_weight = w.pair_mask, w.pair_weight, w.row_weight
     t_ids, s_ids = w.ids
     below_diagonal = pair_mask & (s_ids < t_ids)
@@ -149,9 +151,9 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
         smem((bt, key_dim)), smem((bt, value_dim)),                                  # k, v
         smem((bt, value_dim)), smem((bt, bt)), smem((bt, bt)),                       # wdo, S, dA
         smem((key_dim, value_dim)), smem((bt, key_dim)), smem((bt, value_dim)),     # dh, dk, dv
-        plgpu.SMEM((bt,), jnp.float32), plgpu.SMEM((bt,), jnp.int32),               # g, starts
+        plgpu.SMEM((2, bt), jnp.float32), plgpu.SMEM((bt,), jnp.int32),             # g x2, starts
         plgpu.SMEM((2, bt), jnp.float32),                                            # dg parts
-        plgpu.Barrier(num_arrivals=1, num_barriers=5),                  # q, do, h, g, starts
+        plgpu.Barrier(num_arrivals=1, num_barriers=6),               # q, do, h, g x2, starts
         plgpu.Barrier(num_arrivals=1, num_barriers=2),                              # k, v
     )
     out_type = (

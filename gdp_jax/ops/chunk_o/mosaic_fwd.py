@@ -9,11 +9,11 @@ batch) tile, one warpgroup each:
 
 Data movement is explicit: TMA copies bring the q tile, g, the segment start rows, the [K, BV]
 state tile and each Householder copy's k and v tiles into swizzled SMEM, each on its own barrier;
-copies m and m+1 of k and v use alternating slots, so copy m+2 loads while copy m+1 computes.
+with S slots (``BlockSizes.slots``) copy m+S loads into copy m's slot once copy m is computed.
 Per copy, wgmma makes the scores q k_m^T (k_m as a transposed SMEM view), the registers weigh them
 (causal and segment masks, decays), the weighted tile goes back to SMEM as the left operand of the
 wgmma that adds it times v_m into the output accumulator. The state term q·h is a second
-accumulator, weighted per row. The output tile leaves through SMEM by a TMA store.
+accumulator, weighted per row. The output tile leaves through a v slot by a TMA store.
 
 Operands in the layout TMA reads without gathers: the M copies of k and v come from the caller's
 [B, T*M, H, *] arrays viewed as [B, T, M*H, *] (copy m of head h is "head" m*H + h, a free
@@ -60,17 +60,18 @@ class BlockSizes:
 
 
 def default_block_sizes(key_dim: int, value_dim: int, num_householder: int) -> BlockSizes:
-    """SMEM decides (227 KiB on an H200); 16-bit tiles of q, two k and v slots, h, two score
-    slots and o. Not yet timed on a GPU.
+    """Programs per SM decide: SMEM (227 KiB on an H200) holds 16-bit tiles of q, the k and v
+    slots, h and one score tile; o leaves through a v slot. Measured in RESULTS.md ("chunk_gdp_fwd_o
+    on Mosaic GPU").
 
     | shape class | choice | why |
     |---|---|---|
-    | K <= 128 | V <= 128 in one program, else 128-wide value programs | 144 KiB at K = V = 128 |
-    | K = 256 | 64-wide value programs | 168 KiB; 128-wide would take 224 |
-
-    Two slots whatever M: a third would add 40 KiB at K = V = 128 for one more copy in flight.
+    | K <= 128 | 128-wide value programs (64 where V is not a multiple of 128); one k/v slot | 88 KiB at K = V = 128: two programs per SM; two slots (120 KiB) leave one, 1.1-1.3x slower |
+    | K > 128 | the same widths, two slots | 200 KiB, one program per SM, yet 0.51x the time of 64-wide one-slot programs (112 KiB, two per SM): half the q and k re-reads |
     """
-    block_v = min(value_dim, 128) if key_dim <= 128 else TILE
+    block_v = 128 if value_dim % 128 == 0 else TILE       # V = 192: three 64-wide programs
+    if key_dim <= 128:
+        return BlockSizes(block_v=block_v, slots=1)
     return BlockSizes(block_v=block_v, slots=min(num_householder, 2))
 
 
@@ -86,11 +87,13 @@ class ChunkWeights:
     ids: tuple
 
 
-def chunk_weights(rows_left, g_s, g_barrier, start_row_s, starts_barrier,
+def chunk_weights(rows_left, g_s, g_barriers, start_row_s, starts_barrier,
                   interpret: bool) -> ChunkWeights:
-    """The weights of the chunk whose g and segment start rows are being copied into ``g_s`` and
-    ``start_row_s`` (each None when absent) on the given barriers; ``rows_left`` = T - c0, its
-    real rows (the last chunk may be partial)."""
+    """The weights of the chunk whose g and segment start rows are being copied into SMEM (each
+    None when absent) on the given barriers; ``rows_left`` = T - c0, its real rows (the last
+    chunk may be partial). ``g_s`` is two copies of the chunk's g: one read per row, one per
+    column. Mosaic GPU's layout inference finds no solution where one SMEM ref is loaded in both
+    layouts."""
     pair = (CHUNK_SIZE, CHUNK_SIZE)
     t_ids, s_ids = mg.iota(pair, 0, interpret), mg.iota(pair, 1, interpret)
     pair_mask = (s_ids <= t_ids) & (t_ids < rows_left)
@@ -102,8 +105,9 @@ def chunk_weights(rows_left, g_s, g_barrier, start_row_s, starts_barrier,
         row_weight = jnp.where(start_row == 0, 1.0, 0.0)
     pair_weight = None
     if g_s is not None:
-        plgpu.barrier_wait(g_barrier)
-        g_row, g_col = mg.row_vector(g_s, interpret), mg.column_vector(g_s, interpret)
+        for barrier in g_barriers:
+            plgpu.barrier_wait(barrier)
+        g_row, g_col = mg.row_vector(g_s[0], interpret), mg.column_vector(g_s[1], interpret)
         exponent = mg.broadcast_rows(g_row, pair) - mg.broadcast_columns(g_col, pair)
         # Outside the mask the exponent may overflow; the select drops it before any product.
         pair_weight = jnp.where(pair_mask, jnp.exp2(exponent), 0.0)
@@ -144,7 +148,7 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
     g_g = refs[4] if has_g else None
     sr_g = refs[4 + has_g] if has_segments else None
     o_g = refs[-1]
-    (q_s, k_s, v_s, h_s, s_s, o_s, g_s, sr_s, in_bar, k_bar, v_bar) = scratch
+    (q_s, k_s, v_s, h_s, s_s, g_s, sr_s, in_bar, k_bar, v_bar) = scratch  # g_s: [2, BT]
     vb, hd, c, b = (lax.axis_index(n) for n in ("value", "head", "chunk", "batch"))
     rows = pl.ds(c * bt, bt)
     cols = pl.ds(vb * bv, bv)
@@ -158,13 +162,15 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
     for copy in range(slots):
         load_copy(copy, copy)
     plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, :, cols], h_s, in_bar.at[1])
+    g_copies = (g_s.at[0], g_s.at[1]) if has_g else None
     if has_g:
-        plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_s, in_bar.at[2])
+        for i, g_copy in enumerate(g_copies):
+            plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_copy, in_bar.at[2 + i])
     if has_segments:
-        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[3])
+        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[4])
 
-    w = chunk_weights(tokens - c * bt, g_s if has_g else None, in_bar.at[2],
-                      sr_s if has_segments else None, in_bar.at[3], interpret)
+    w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[2], in_bar.at[3]),
+                      sr_s if has_segments else None, in_bar.at[4], interpret)
     pair_mask, pair_weight, row_weight = w.pair_mask, w.pair_weight, w.row_weight
 
     plgpu.barrier_wait(in_bar.at[0])
@@ -175,10 +181,10 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
             plgpu.barrier_wait(k_bar.at[slot])
             score = mg.dot_nt(q_s, k_s.at[slot], interpret)                 # [BT, BT] f32
             score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
-            s_s.at[slot][...] = score.astype(s_s.dtype)
+            s_s[...] = score.astype(s_s.dtype)  # free: the last mma that read it waited
             plgpu.commit_smem()               # the register stores, visible to wgmma's reads
             plgpu.barrier_wait(v_bar.at[slot])
-            mma(s_s.at[slot], v_s.at[slot])
+            mma(s_s, v_s.at[slot])
             if copy + slots < m:              # both reads of this slot are done (mma waited)
                 load_copy(copy + slots, slot)
     intra = mg.accumulate((bt, bv), copies, interpret)                      # [BT, BV] f32
@@ -187,6 +193,7 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
     state = mg.dot(q_s, h_s, interpret)                                     # [BT, BV] f32
     if row_weight is not None:
         state = state * mg.broadcast_rows(row_weight, state.shape)
+    o_s = v_s.at[0]                           # every v copy is read: o leaves through slot 0
     o_s[...] = (scale * (state + intra)).astype(o_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_s, o_g.at[b, rows, hd, cols])
@@ -219,11 +226,10 @@ def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
         plgpu.SMEM((sizes.slots, bt, key_dim), dtype, transforms=tiles),     # k slots
         plgpu.SMEM((sizes.slots, bt, bv), dtype, transforms=tiles),          # v slots
         plgpu.SMEM((key_dim, bv), dtype, transforms=tiles),                  # h
-        plgpu.SMEM((sizes.slots, bt, bt), dtype, transforms=tiles),          # weighted scores
-        plgpu.SMEM((bt, bv), v.dtype, transforms=tiles),                     # o
-        plgpu.SMEM((bt,), jnp.float32),                                      # g
+        plgpu.SMEM((bt, bt), dtype, transforms=tiles),                       # weighted scores
+        plgpu.SMEM((2, bt), jnp.float32),                                    # g, twice
         plgpu.SMEM((bt,), jnp.int32),                                        # segment start rows
-        plgpu.Barrier(num_arrivals=1, num_barriers=4),                       # q, h, g, starts
+        plgpu.Barrier(num_arrivals=1, num_barriers=5),                       # q, h, g x2, starts
         plgpu.Barrier(num_arrivals=1, num_barriers=sizes.slots),             # k slots
         plgpu.Barrier(num_arrivals=1, num_barriers=sizes.slots),             # v slots
     )

@@ -118,12 +118,15 @@ def fwdbwd_fn(module, impl, shp, chunk):
 
 
 def bwd_kernel_fn(impl, shp, chunk):
-    """jit of the backward kernel alone (q, k, v, h, g, runs, do) -> (dq, dk, dv, dh, dg)."""
+    """jit of one backward kernel alone (q, k, v, h, g, runs, do) -> (dq, dk, dv, dh, dg): the
+    Triton one (impl pallas, interpret) or the Mosaic GPU one (mosaic, mosaic_interpret)."""
     import jax
+    from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
     from gdp_jax.ops.chunk_o.pallas_bwd import chunk_o_bwd_pallas
+    kernel = chunk_o_bwd_mosaic if impl.startswith("mosaic") else chunk_o_bwd_pallas
     kw = dict(scale=shp["K"] ** -0.5, chunk_size=chunk, num_householder=shp["M"],
               interpret=impl in ("interpret", "mosaic_interpret"))
-    return jax.jit(lambda q, k, v, h, g, runs, do: chunk_o_bwd_pallas(q, k, v, h, g, runs, do, **kw))
+    return jax.jit(lambda q, k, v, h, g, runs, do: kernel(q, k, v, h, g, runs, do, **kw))
 
 
 def fla_fwd_o_fn(fla, shp, chunk):
@@ -229,12 +232,18 @@ def backward_shape(row, problems, shp, args, ctx):
                       [p.chunk_o_args() for p in problems], args, phases, suffix="_fwd",
                       floor=row["fwd_floor_ms"])
         tile_widths = all(n >= 16 and not n & (n - 1) for n in (shp["K"], shp["V"]))
+        kernel_args = [(p.q, p.k, p.v, p.h, p.g, p.runs, p.do) for p in problems]
+        triton = "interpret" if ours in ("interpret", "mosaic_interpret") else "pallas"
         if ours != "xla" and tile_widths:
-            time_into_row(row, {"bwd_kernel": bwd_kernel_fn(ours, shp, args.chunk)},
-                          [(p.q, p.k, p.v, p.h, p.g, p.runs, p.do) for p in problems], args,
-                          phases, floor=row["bwd_floor_ms"])
+            time_into_row(row, {"bwd_kernel": bwd_kernel_fn(triton, shp, args.chunk)},
+                          kernel_args, args, phases, floor=row["bwd_floor_ms"])
         elif ours != "xla":
             row["bwd_kernel_error"] = "K and V must be powers of two >= 16 for the kernel alone"
+        mosaic = next((i for i in ("mosaic", "mosaic_interpret") if i in args.impls), None)
+        mosaic_widths = all(n % 64 == 0 and n <= 128 for n in (shp["K"], shp["V"]))
+        if mosaic and mosaic_widths and args.chunk == 64 and p0.q.dtype.itemsize == 2:
+            time_into_row(row, {"mosaic_bwd_kernel": bwd_kernel_fn(mosaic, shp, args.chunk)},
+                          kernel_args, args, phases, floor=row["bwd_floor_ms"])
         if "bwd_kernel_ms" in row and f"{ours}_fwd_ms" in row:
             row["bwd_over_fwd"] = row["bwd_kernel_ms"] / row[f"{ours}_fwd_ms"]
     grads = {name: jax.block_until_ready(fn(*sets[0])[1]) for name, fn in fns.items()
@@ -399,6 +408,8 @@ def print_backward(rows, meta, bandwidth, ours):
     mosaic = next((n for n in ("mosaic", "mosaic_interpret") if n != ours and any(
         f"{n}_fwdbwd_ms" in r or f"{n}_fwdbwd_error" in r for r in rows)), None)
     hdr += ["mosaic fwd+bwd ms", "mosaic % floor", "mosaic/ours"] if mosaic else []
+    mosaic_kernel = any("mosaic_bwd_kernel_ms" in r for r in rows)
+    hdr += ["mosaic bwd kernel ms", "% floor", "triton/mosaic"] if mosaic_kernel else []
     hdr += ["relerr max"]
     lines = []
     for r in rows:
@@ -413,6 +424,11 @@ def print_backward(rows, meta, bandwidth, ours):
                      if f"{mosaic}_fwdbwd_ms" in r and f"{ours}_fwdbwd_ms" in r else None)
             line += [ms_cell(r, f"{mosaic}_fwdbwd"), fmt(r.get(f"{mosaic}_fwdbwd_pct_floor"), ".1f"),
                      fmt(ratio, ".3f")]
+        if mosaic_kernel:
+            ratio = (r["bwd_kernel_ms"] / r["mosaic_bwd_kernel_ms"]
+                     if "bwd_kernel_ms" in r and "mosaic_bwd_kernel_ms" in r else None)
+            line += [ms_cell(r, "mosaic_bwd_kernel"),
+                     fmt(r.get("mosaic_bwd_kernel_pct_floor"), ".1f"), fmt(ratio, ".3f")]
         line += [fmt(r.get("relerr_max"), ".2e")]
         lines.append(line)
     print_table(hdr, lines, _caption(meta, bandwidth, f"ours = {ours}; fwd+bwd = jax.vjp of the op, "

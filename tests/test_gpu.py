@@ -273,13 +273,13 @@ def test_wy_forward(dtype):
 
 
 @pytest.mark.parametrize("dtype,gated,segments,dots", [
-    ("float32", True, True, "tf32x3"),         # the op's float32 choice (dispatch.wy_bwd_dots)
+    ("float32", True, True, "tf32x3"),         # float32: the kernel's TF32x3 option (the op takes wy_bwd_xla)
     ("float16", True, True, "tf32"),           # float16: TF32 dots
     ("bfloat16", True, True, "bf16"),          # bfloat16: bf16 operands
 ])
 def test_wy_bwd(dtype, gated, segments, dots):
     """The compiled VJP kernel from the compiled forward's inverse, at B=2 P=4096 H=4 K=V=128
-    S=64, each dot path the op uses (dispatch.wy_bwd_dots)."""
+    S=64, each dot path the op uses (dispatch.wy_bwd_dots) and the float32 TF32x3 option."""
     primals, cotangents = wy_inputs(sub_chunk=64, num_sub_chunks=64, key_dim=128, value_dim=128,
                                     gated=gated, segments=segments, dtype=dtype, heads=4)
     kw = dict(tf32x3=dict(precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3),
@@ -335,12 +335,13 @@ def test_walk_bwd(case, dot_dtype):
     Case(1000, 128, 128, 1, 64, segments=False, dtype="bfloat16", heads=4),
     Case(963, 128, 128, 3, 64, dtype="bfloat16", heads=4),
     Case(1000, 128, 128, 2, 64, dtype="float16", heads=4),
-    Case(517, 256, 256, 2, 64),    # float32 at the widest K, V: the WY kernels' TF32x3 dots spill most there
+    Case(517, 256, 256, 2, 64),    # float32 at the widest K, V: the WY forward's IEEE dots spill most there
 ], ids=case_id)
 def test_full_op(case):
     """o and the final state against the recurrence, and the gradients in every input against
     float64 autodiff of it: the Pallas path's custom_vjps compiled (walk VJP kernels; the WY VJP
-    kernel, TF32x3 for float32; chunk_o's backward kernel)."""
+    kernel for 16-bit inputs, wy_bwd_xla for float32; chunk_o's backward kernel, on Mosaic GPU
+    for the 16-bit cases on jax >= 0.11)."""
     p = build(case)
     do, dfinal, expected = recurrence_grads(p)
     names = [n for n in GRAD_NAMES if expected[n] is not None]

@@ -2,9 +2,8 @@
 
 ``jit(...).trace(...).lower(lowering_platforms=("cuda",))`` builds every kernel's GPU program
 short of the GPU compiler, through the branches only compiled kernels take (the interpreter tests
-never trace them: the float32 dots' TF32x3 algorithm, for one). The Triton kernels are lowered to
-Triton IR, so a primitive or block shape its lowering refuses fails here; the dot algorithm is
-passed on unchecked. The Mosaic GPU kernels run Mosaic GPU's layout inference and SMEM-budget
+never trace them: the Mosaic GPU layouts and the float32 WY backward in jnp, for two). The Triton
+kernels are lowered to Triton IR, so a primitive or block shape its lowering refuses fails here. The Mosaic GPU kernels run Mosaic GPU's layout inference and SMEM-budget
 check (also test_chunk_o_mosaic.py). Not checked here: Triton's and ptxas's compilation, the
 Triton kernels' shared memory, the results (the GPU tests).
 """
@@ -16,7 +15,8 @@ import gdp_jax
 from gdp_jax._src import dispatch
 
 # (T, K, V, M, dtype, gated, segments, use_qk_l2norm): each dtype's dot rule (bf16 operands, TF32
-# for f16 where the rule says so, TF32x3 for f32), ragged T, K != V, M 1..3, K = V = 256.
+# for f16 where the rule says so, IEEE f32 and the WY backward in jnp for f32), ragged T, K != V,
+# M 1..3, K = V = 256.
 CASES = [
     (200, 128, 128, 2, "bfloat16", True, True, False),
     (200, 64, 96, 3, "float32", True, True, False),

@@ -176,11 +176,19 @@ def walk_bwd_dot_dtype(dtype):
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
+def wy_bwd_runs_kernel(dtype, interpret: bool) -> bool:
+    """Whether the WY stage's VJP runs its Pallas kernel (from the forward's inverses): for 16-bit
+    inputs, and always in the interpreter. Compiled float32 inputs take ``wy_bwd_xla``: IEEE
+    float32 dots on whole 64 x 64 tiles are FMA loops that spill, and the kernel's TF32x3 form
+    faulted on a GPU (RESULTS.md, ideas tried and dropped)."""
+    return jnp.dtype(dtype).itemsize == 2 or interpret
+
+
 def wy_bwd_dots(dtype):
     """(precision, operand_dtype) of the WY VJP kernel's dots: bfloat16 operands for bfloat16
-    inputs, TF32 for float16 (its M and F sums can outgrow float16), TF32x3 (float32-level) for
-    float32: IEEE float32 dots on whole 64 x 64 tiles are FMA loops that spill."""
+    inputs, TF32 for float16 (its M and F sums can outgrow float16), IEEE float32 for float32
+    (the interpreter's case: compiled float32 takes ``wy_bwd_xla``)."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.float32:
-        return pallas.TF32X3, None
+        return pallas.HIGHEST, None
     return None, (dtype if dtype == jnp.bfloat16 else None)

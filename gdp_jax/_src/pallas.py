@@ -22,15 +22,10 @@ except ImportError:     # a jax whose Pallas has no Triton lowering: dispatch ro
 LN2 = math.log(2.0)
 LOG2_E = math.log2(math.e)
 HIGHEST = jax.lax.Precision.HIGHEST
-# Three TF32 passes per dot (Triton's tf32x3): float32-level products on the tensor cores, the
-# kernels' dots for float32 inputs where IEEE float32 dots would be FMA loops that spill. The
-# interpreter's CPU dots have no TF32 algorithms: there the kernels use HIGHEST (``float32_dots``).
+# Three TF32 passes per dot (Triton's tf32x3): float32-level products on the tensor cores. An
+# option of the WY VJP kernel (``precision=``), no default's choice; the interpreter's CPU dots
+# have no TF32 algorithms and run it as HIGHEST.
 TF32X3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-
-
-def float32_dots(interpret: bool):
-    """The precision of the kernels' float32 dots: TF32X3 compiled, HIGHEST interpreted."""
-    return HIGHEST if interpret else TF32X3
 
 
 @contextlib.contextmanager

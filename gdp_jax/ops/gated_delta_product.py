@@ -10,7 +10,8 @@ implementation="xla" runs stages 1-3 in jnp (``states_jnp``; exact gradients by 
 64 positions of the expanded stream (``states_pallas``), under one custom_vjp: its forward rule
 also keeps the state before every sub-chunk and the WY stage's inverses; its backward runs the
 walk's VJP kernels (``chunk_h.pallas_bwd``), then the WY stage's VJP (``wy.pallas_bwd``, from the
-forward's inverses), then the VJP of the expanded decays in jnp.
+forward's inverses, or ``wy.xla.wy_bwd_xla`` for compiled float32 inputs), then the VJP of the
+expanded decays in jnp.
 Both grids give SPEC's h, v_new and final state. Stage 4 runs under chunk_o's own custom_vjp.
 Which implementation and dtypes run is ``_src.dispatch``'s rule (docs/math.md has the math).
 """
@@ -33,7 +34,7 @@ from gdp_jax.ops.chunk_o import chunk_o
 from gdp_jax.ops.cumsum import chunk_local_log2_cumsum, expanded_log2_decays, sub_chunk_size
 from gdp_jax.ops.wy.pallas_bwd import wy_bwd_pallas
 from gdp_jax.ops.wy.pallas_fwd import wy_pallas
-from gdp_jax.ops.wy.xla import wy_xla
+from gdp_jax.ops.wy.xla import wy_bwd_xla, wy_xla
 
 __all__ = ["chunk_gated_delta_product", "chunk_states", "states_jnp", "states_pallas",
            "stage_dtypes", "StageDtypes", "sub_grid_operands"]
@@ -66,9 +67,8 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       chunk_size: power of two in [16, 128].
       implementation: "pallas", "xla", "interpret", "mosaic", "mosaic_interpret" or None, as for
         chunk_gdp_fwd_o: "xla" is jnp throughout; "pallas" (GPU) and "interpret" run the WY,
-        state-walk and output stages as Pallas kernels, forward and backward (float32 inputs: the
-        WY kernels' dots are TF32x3, float32-level, the other kernels' TF32, within SPEC's GPU
-        tolerance). Under "pallas", K or V above 256 run the jnp stages, and so does chunk_o where
+        state-walk and output stages as Pallas kernels, forward and backward (compiled with
+        float32 inputs the WY stage's backward is jnp: IEEE float32 dots in that kernel spill). Under "pallas", K or V above 256 run the jnp stages, and so does chunk_o where
         its kernels would not fit (see chunk_gdp_fwd_o). "mosaic" / "mosaic_interpret": the
         output stage on its Mosaic GPU kernels where chunk_gdp_fwd_o's rule takes them, the WY
         and walk stages as for "pallas" / "interpret".
@@ -208,7 +208,7 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
 
     ``every_sub_chunk`` (the custom_vjp's forward) also returns what the backward needs:
     (h, v_new, final_state, (w, inverse, h_sub, v_new_p)), with w [B, P_pad, H, Kp], the WY
-    stage's inverses [B, P_pad, H, sub] float32 and,
+    stage's inverses [B, P_pad, H, sub] float32 (None where the backward does not use them) and,
     on the padded sub-chunk grid, the state before every sub-chunk h_sub [B, NS, H, Kp, Vp] and
     v_new_p [B, P_pad, H, Vp].
     """
@@ -218,9 +218,10 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     k_p, v_p, beta_p, gamma, runs_p, h0, sub = sub_grid_operands(
         k, v, beta, g, runs, initial_state, chunk_size, m)
     work_dtype = dispatch.work_dtype(k.dtype)
+    keep_inverse = every_sub_chunk and dispatch.wy_bwd_runs_kernel(k.dtype, interpret)
     w, u, *inverse = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
                                out_dtype=work_dtype, interpret=interpret,
-                               return_inverse=every_sub_chunk)
+                               return_inverse=keep_inverse)
     # The walk stores h at token-chunk boundaries and, for the backward, at every sub-chunk too
     # (written by the kernel rather than sliced out after).
     h, v_new, final_state, *h_sub = chunk_h_pallas(
@@ -230,7 +231,7 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
                final_state[..., :key_dim, :value_dim])
     if every_sub_chunk:
-        return outputs + ((w, inverse[0], h_sub[0], v_new),)
+        return outputs + ((w, inverse[0] if inverse else None, h_sub[0], v_new),)
     return outputs
 
 
@@ -257,7 +258,7 @@ def _states_bwd(config, residuals, cotangents):
     1. the walk's VJP (``chunk_h_bwd_pallas``, from the saved h at every sub-chunk and v_new;
        h's cotangent enters at token-chunk boundaries) -> dk, dw, du, dgamma, dh0;
     2. the WY stage's VJP (w, u -> k, v, beta, gamma) per sub-chunk: ``wy_bwd_pallas`` from the
-       forward's inverses;
+       forward's inverses, or ``wy_bwd_xla`` (``dispatch.wy_bwd_runs_kernel``);
     3. the VJP of the expanded decays (gamma <- g, a cumsum) in jnp.
     The output stage's share of dk (the cotangent of the k passed through) and the walk's are
     added to dk inside the WY VJP kernel, which also rounds dk and dv to the inputs' dtype, so
@@ -280,12 +281,17 @@ def _states_bwd(config, residuals, cotangents):
         pad_state(dfinal, kp, vp), chunk_size=sub, num_householder=1,
         with_initial_state=initial_state is not None, subchunks=chunk_size * m // sub,
         dot_dtype=dispatch.walk_bwd_dot_dtype(k.dtype), interpret=interpret)
-    precision, operand_dtype = dispatch.wy_bwd_dots(k.dtype)
-    wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
-                             precision=precision, operand_dtype=operand_dtype,
-                             dk_accumulate=(dk_walk, pad_positions(dk_through, width=kp)),
-                             out_dtype=k.dtype, interpret=interpret)
-    dk = wy_grads[0][:, :positions, :, :key_dim]
+    if inverse is not None:
+        precision, operand_dtype = dispatch.wy_bwd_dots(k.dtype)
+        wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
+                                 precision=precision, operand_dtype=operand_dtype,
+                                 dk_accumulate=(dk_walk, pad_positions(dk_through, width=kp)),
+                                 out_dtype=k.dtype, interpret=interpret)
+        dk_p = wy_grads[0]
+    else:
+        wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)
+        dk_p = dk_walk + wy_grads[0] + pad_positions(dk_through, width=kp).astype(f32)
+    dk = dk_p[:, :positions, :, :key_dim]
     dv = wy_grads[1][:, :positions, :, :value_dim]
     dbeta = wy_grads[2][:, :positions]
     dg = None

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gdp_jax._src.layout import tile_width
-from gdp_jax._src.pallas import plgpu, LN2, TF32X3, float32_dots, triton_call
+from gdp_jax._src.pallas import plgpu, HIGHEST, LN2, TF32X3, triton_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,7 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
         dgamma_ref[...] = LN2 * (beta * k_dot_p1 - k_dot_p2 + scale_w * k_dot_drw)
 
 
-def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, precision=TF32X3,
+def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, precision=HIGHEST,
                   operand_dtype=None, dk_accumulate: Sequence[jax.Array] = (),
                   out_dtype=jnp.float32, interpret: bool = False,
                   block_sizes: Optional[BlockSizes] = None):
@@ -203,8 +203,8 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
                  None if gamma is None else jax.ShapeDtypeStruct((batch, positions, heads), f32))
     out_specs = (rows(key_dim), rows(value_dim), per_position,
                  None if gamma is None else per_position)
-    if precision == TF32X3:
-        precision = float32_dots(interpret)
+    if precision == TF32X3 and interpret:
+        precision = HIGHEST
     kernel = functools.partial(
         _wy_bwd_kernel, sub_chunk=sub_chunk, block_cols=sizes.block_cols, precision=precision,
         operand_dtype=None if operand_dtype is None else jnp.dtype(operand_dtype))

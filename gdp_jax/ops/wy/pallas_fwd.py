@@ -28,12 +28,10 @@ Precision, by input dtype (RESULTS.md, "Dtype rules of the full op"):
 
 | | float32 inputs | 16-bit inputs |
 |---|---|---|
-| gram blocks k_i k_l^T | TF32x3 (float32-level) | 16-bit operands, float32 accumulation (exact products) |
+| gram blocks k_i k_l^T | IEEE float32 | 16-bit operands, float32 accumulation (exact products) |
 | diagonal blocks' substitution | float32 | float32 |
-| blocks of T below the diagonal | TF32x3 (errors in T multiply every later value) | TF32 tensor-core dots (T is rounded to 16 bits before it is applied) |
-| applying T to the right-hand sides | TF32x3 | T and the right-hand sides rounded to 16 bits, float32 accumulation, as fla does (w and u are stored in 16 bits) |
-
-TF32x3 (``_src.pallas.TF32X3``) where the interpreter has IEEE float32: the CPU has no TF32 dots.
+| blocks of T below the diagonal | IEEE float32 (errors in T multiply every later value) | TF32 tensor-core dots (T is rounded to 16 bits before it is applied) |
+| applying T to the right-hand sides | IEEE float32 | T and the right-hand sides rounded to 16 bits, float32 accumulation, as fla does (w and u are stored in 16 bits) |
 
 Grid (H, sub-chunks, B), heads fastest; no program reads another's output.
 """
@@ -47,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax._src.pallas import plgpu, float32_dots, triton_call
+from gdp_jax._src.pallas import plgpu, HIGHEST, triton_call
 
 _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
 
@@ -61,11 +59,11 @@ class BlockSizes:
 
 
 def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref, *,
-               sub_chunk: int, float32_precision):
+               sub_chunk: int):
     f32 = jnp.float32
     sixteen_bit = jnp.dtype(k_ref.dtype).itemsize == 2
     nb = sub_chunk // _BLOCK
-    gram_precision = None if sixteen_bit else float32_precision
+    gram_precision = None if sixteen_bit else HIGHEST
     rows_of = lambda i: pl.ds(i * _BLOCK, _BLOCK)
     has_g, has_segments = gamma_ref is not None, runs_ref is not None
 
@@ -105,7 +103,7 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, invers
 
     t_diag = jax.lax.fori_loop(1, _BLOCK, substitute, (r3 == c3).astype(f32))
     t = {(i, i): jnp.sum(jnp.where(block_of == i, t_diag, 0.0), axis=0) for i in range(nb)}
-    hdot = functools.partial(plgpu.dot, precision=float32_precision)
+    hdot = functools.partial(plgpu.dot, precision=HIGHEST)
     inverse_dot = functools.partial(plgpu.dot, precision=None) if sixteen_bit else hdot
     for i in range(1, nb):
         for l in range(i - 1, -1, -1):
@@ -176,8 +174,7 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
                  if return_inverse else None)
     out_specs = (rows(key_dim), rows(value_dim), rows(sub_chunk) if return_inverse else None)
     w, u, inverse = triton_call(
-        functools.partial(_wy_kernel, sub_chunk=sub_chunk,
-                          float32_precision=float32_dots(interpret)), *operands, name="gdp_wy_fwd",
+        functools.partial(_wy_kernel, sub_chunk=sub_chunk), *operands, name="gdp_wy_fwd",
         grid=(heads, positions // sub_chunk, batch), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, num_warps=sizes.num_warps, num_stages=sizes.num_stages,
         interpret=interpret)

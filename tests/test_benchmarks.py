@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from gdp_jax._src.mosaic import has_interpreter
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -264,6 +266,22 @@ def test_bench_chunk_o_bwd(tmp_path, capsys):
         assert column in header, column
 
 
+@pytest.mark.skipif(not has_interpreter(), reason="this jax has no Mosaic GPU interpreter")
+def test_bench_chunk_o_bwd_mosaic_kernel(tmp_path, capsys):
+    """--bwd with mosaic: the Mosaic backward kernel alone beside the Triton one, and its ratio."""
+    out = tmp_path / "bwd.json"
+    script("bench_chunk_o").main(["--bwd", "--shapes", "B=1,T=100,H=1,K=64,V=128,M=2,segs=2",
+                                  "--chunk", "64", "--impls", "interpret,mosaic_interpret",
+                                  "--sets", "1", "--png", "none", "--out", str(out), *QUICK, *COPY])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["mosaic_bwd_kernel_ms"] > 0 and row["bwd_kernel_ms"] > 0, row
+    assert row["mosaic_bwd_kernel_pct_floor"] == pytest.approx(
+        100 * row["bwd_floor_ms"] / row["mosaic_bwd_kernel_ms"], rel=1e-3)
+    header = header_of(capsys.readouterr().out)
+    for column in ("mosaic bwd kernel ms", "triton/mosaic", "mosaic fwd+bwd ms"):
+        assert column in header, column
+
+
 def test_bench_chunk_o_rested_with_baseline(capsys, baseline_dir):
     result = script("bench_chunk_o").main(
         ["--rested", "--shapes", "B=1,T=32,H=1,K=32,V=16,M=2", "--chunk", "16", "--impls", "xla", "--bursts", "2",
@@ -340,10 +358,10 @@ def test_tune_mosaic_stage(tmp_path):
     out = tmp_path / "tune.json"
     script("tune").main(["--stage", "chunk_o_fwd_mosaic", "--shapes",
                          "B=1,T=100,H=1,K=64,V=128,M=2,segs=2", "--chunk", "64", "--dtype", "bf16",
-                         "--configs", "s1:slots=1;v64:block_v=64;bad:slots=3", "--sets", "1",
+                         "--configs", "s2:slots=2;v64:block_v=64;bad:slots=3", "--sets", "1",
                          "--out", str(out), "--reps", "1", "--target-ms", "1", *COPY])
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    for name in ("s1", "v64"):
+    for name in ("s2", "v64"):
         assert rows[name]["ok"] and rows[name]["relerr"] == 0.0, rows[name]
     assert rows["bad"]["error"].startswith("does not fit") and "slots" in rows["bad"]["error"]
 

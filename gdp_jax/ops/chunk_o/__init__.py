@@ -62,7 +62,9 @@ def chunk_gdp_fwd_o(q: jax.Array, k: jax.Array, v: jax.Array, h: jax.Array,
         above 256, or float32 inputs with K above 128 at chunk_size 128. "mosaic" runs its
         forward for 16-bit q, k, v with h of the same dtype, chunk_size 64 and K, V up to 256,
         its backward where also K, V are at most 128, and the "pallas" rule otherwise
-        ("mosaic_interpret": the "interpret" rule). float64 inputs run the jnp path in float64.
+        ("mosaic_interpret": the "interpret" rule). "pallas" takes that Mosaic backward too, on
+        jax >= 0.11 (measured faster; the Triton forward stays). float64 inputs run the jnp path
+        in float64.
 
     Returns:
       o: [B, T, H, V] in v's dtype, accumulated in float32. Differentiable in q, k, v, h and g.

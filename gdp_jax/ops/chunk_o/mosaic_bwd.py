@@ -16,7 +16,7 @@ chunk, batch) on one warpgroup, every product a wgmma on SMEM tiles:
 Operands as in ``mosaic_fwd`` (k, v, dk, dv viewed as [B, T, M*H, *]; g as [B, H, T]).
 Supported (``dispatch.chunk_o_backward_implementation``): what the forward takes, with K and V
 up to 128 (the kernel's SMEM tiles: 193 KiB at K = V = 128). Ragged T is padded to whole chunks
-here. Not yet compiled on a GPU: checked in Mosaic GPU's interpreter only.
+here.
 """
 from __future__ import annotations
 

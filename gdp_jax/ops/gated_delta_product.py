@@ -68,8 +68,9 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       implementation: "pallas", "xla", "interpret", "mosaic", "mosaic_interpret" or None, as for
         chunk_gdp_fwd_o: "xla" is jnp throughout; "pallas" (GPU) and "interpret" run the WY,
         state-walk and output stages as Pallas kernels, forward and backward (compiled with
-        float32 inputs the WY stage's backward is jnp: IEEE float32 dots in that kernel spill). Under "pallas", K or V above 256 run the jnp stages, and so does chunk_o where
-        its kernels would not fit (see chunk_gdp_fwd_o). "mosaic" / "mosaic_interpret": the
+        float32 inputs the WY stage's backward is jnp: IEEE float32 dots in that kernel spill).
+        Under "pallas", K or V above 256 run the jnp stages, and so does chunk_o where its
+        kernels would not fit (see chunk_gdp_fwd_o). "mosaic" / "mosaic_interpret": the
         output stage on its Mosaic GPU kernels where chunk_gdp_fwd_o's rule takes them, the WY
         and walk stages as for "pallas" / "interpret".
 

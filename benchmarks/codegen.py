@@ -147,8 +147,15 @@ class _Capture:
 
 
 def _lower(fn, args):
+    """Lowers for CUDA on this host, for an H200: jax >= 0.11's Triton lowering asks the device
+    for its compute capability, which on a CPU host only an abstract device gives."""
     import jax
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    h200 = jax.sharding.AbstractMesh(
+        (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+        abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                                    platform="cuda"))
+    with jax.sharding.use_abstract_mesh(h200):
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def capture_chunk_o(names, out_dir):

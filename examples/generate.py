@@ -9,7 +9,7 @@ left-padded) or as text (--text, one flag per prompt), which needs the checkpoin
 tokenizer.json and the ``tokenizers`` package. Greedy unless --temperature > 0. Prints each
 prompt's new tokens (and text), the prefill and decode times and tokens/s (the first call of a
 shape includes compilation: --repeat 2 shows the compiled speed; benchmarks belong to the
-device script lm_speed_gpu.py).
+script benchmarks/bench_generate.py).
 """
 from __future__ import annotations
 

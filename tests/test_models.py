@@ -317,6 +317,18 @@ def test_top_k_sampling_respects_k(hybrid, greedy_run):
     assert not np.array_equal(out.tokens, greedy.tokens)   # it did sample
 
 
+def test_temperature_sampling(hybrid, greedy_run):
+    """Sampling with a temperature alone (no top_k): a seed is a seed; near 0 it is greedy; hot,
+    it leaves greedy."""
+    prompts, greedy = greedy_run
+    hot = generate(hybrid, prompts, 8, temperature=5.0, rng=1)
+    np.testing.assert_array_equal(hot.tokens, generate(hybrid, prompts, 8, temperature=5.0,
+                                                       rng=1).tokens)
+    assert not np.array_equal(hot.tokens, greedy.tokens)
+    cold = generate(hybrid, prompts, 8, temperature=1e-4, rng=1)
+    np.testing.assert_array_equal(cold.tokens, greedy.tokens)
+
+
 def test_generate_rejects_bad_arguments(hybrid):
     ids = _ids(1, 4)
     for kwargs, err, match in [

@@ -121,3 +121,25 @@ def test_save_load_round_trip(ckpt, tmp_path):
         np.testing.assert_array_equal(copy[name], original[name], err_msg=name)
     again = from_pretrained(tmp_path, implementation="xla")
     np.testing.assert_array_equal(_ours(again, meta), _ours(model, meta))
+
+
+def test_example_script_generates(ckpt, capsys):
+    """examples/generate.py on this directory, its prompts given as --ids (left-padded there as
+    fla's prompt is), prints and returns the tokens generate gives on the loaded model."""
+    import importlib.util
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "generate.py"
+    spec = importlib.util.spec_from_file_location("gdp_generate_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model, meta = ckpt
+    prompts = [[t for t, keep in zip(ids, mask) if keep]
+               for ids, mask in zip(meta["input_ids"], meta["attention_mask"])]
+    n = 6
+    argv = [str(DATA), "-n", str(n), "--dtype", "float32", "--implementation", "xla",
+            "--eos", "none"] + [a for p in prompts for a in ("--ids", " ".join(map(str, p)))]
+    out = example.main(argv)
+    want = generate(model, prompts, n, eos_token_id=None)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
+    printed = capsys.readouterr().out
+    for b in range(len(prompts)):
+        assert f"[{b}] prompt" in printed and str(np.asarray(want.tokens[b]).tolist()) in printed

@@ -74,12 +74,12 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax._src import dispatch
-from gdp_jax._src.layout import l2norm
 from gdp_jax._src.pallas import HIGHEST
 from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_o import chunk_o
 from gdp_jax.ops.cumsum import chunk_local_log2_cumsum
 from gdp_jax.ops.gated_delta_product import chunk_states
+from gdp_jax.ops.l2norm import l2norm
 
 __all__ = ["BlockPass", "block_pass", "combine_blocks", "context_parallel_gdp", "finish",
            "split_block_pass"]
@@ -193,7 +193,7 @@ def context_parallel_gdp(q, k, v, g, beta, segment_ids, initial_state, *,
     token_axis = tuple(token_axis)
     value_dim = v.shape[-1]
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        q, k = l2norm(q, implementation), l2norm(k, implementation)
     runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))
     local = block_pass(k, v, beta, g, runs, chunk_size=chunk_size, num_householder=num_householder,
                        implementation=implementation, split=split)

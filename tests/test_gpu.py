@@ -329,21 +329,28 @@ def test_walk_bwd(case, dot_dtype):
 # ---------------------------------------------------------------------------------------------
 # The full op
 
-@pytest.mark.parametrize("case", [
-    Case(1000, 128, 128, 2, 64, heads=4),
-    Case(963, 128, 64, 3, 64, gated=False, segments=False, initial_state=False, heads=4),
-    Case(1000, 128, 128, 1, 64, segments=False, dtype="bfloat16", heads=4),
-    Case(963, 128, 128, 3, 64, dtype="bfloat16", heads=4),
-    Case(1000, 128, 128, 2, 64, dtype="float16", heads=4),
-    Case(517, 256, 256, 2, 64),    # float32 at the widest K, V: the WY forward's IEEE dots spill most there
-], ids=case_id)
-def test_full_op(case):
+FULL_OP_CASES = [
+    (Case(1000, 128, 128, 2, 64, heads=4), False),
+    (Case(963, 128, 64, 3, 64, gated=False, segments=False, initial_state=False, heads=4), False),
+    (Case(1000, 128, 128, 1, 64, segments=False, dtype="bfloat16", heads=4), False),
+    (Case(963, 128, 128, 3, 64, dtype="bfloat16", heads=4), False),
+    (Case(1000, 128, 128, 2, 64, dtype="float16", heads=4), False),
+    (Case(517, 256, 256, 2, 64), False),   # float32 at the widest K, V: the WY forward's IEEE dots spill most there
+    # use_qk_l2norm: the normalisation's kernels and custom_vjp (raw q, k of varied norms).
+    (Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4), True),
+    (Case(333, 64, 32, 3, 64, heads=3), True),
+]
+
+
+@pytest.mark.parametrize("case,l2norm", FULL_OP_CASES,
+                         ids=[case_id(c) + ("-l2norm" if n else "") for c, n in FULL_OP_CASES])
+def test_full_op(case, l2norm):
     """o and the final state against the recurrence, and the gradients in every input against
     float64 autodiff of it: the Pallas path's custom_vjps compiled (walk VJP kernels; the WY VJP
     kernel for 16-bit inputs, wy_bwd_xla for float32; chunk_o's backward kernel, on Mosaic GPU
     for the 16-bit cases on jax >= 0.11)."""
-    p = build(case)
-    do, dfinal, expected = recurrence_grads(p)
+    p = build(case, qk_l2norm=l2norm)
+    do, dfinal, expected = recurrence_grads(p, qk_l2norm=l2norm)
     names = [n for n in GRAD_NAMES if expected[n] is not None]
     primals = dict(q=p.q, k=p.k, v=p.v, g_raw=p.g_raw, beta=p.beta, initial_state=p.initial_state)
 
@@ -352,7 +359,7 @@ def test_full_op(case):
         o, final_state = gdp_jax.chunk_gated_delta_product(
             a["q"], a["k"], a["v"], a["g_raw"], a["beta"], initial_state=a["initial_state"],
             segment_ids=p.segment_ids, output_final_state=True, chunk_size=case.chunk_size,
-            implementation="pallas")
+            use_qk_l2norm=l2norm, implementation="pallas")
         return (jnp.sum(o.astype(jnp.float32) * do.astype(np.float32))
                 + jnp.sum(final_state * dfinal.astype(np.float32))), (o, final_state)
 

@@ -163,6 +163,18 @@ def states_implementation(implementation: str, dtype, key_dim: int, value_dim: i
     return implementation
 
 
+def l2norm_implementation(implementation: str, dtype, width: int, size: int) -> str:
+    """What ``use_qk_l2norm``'s normalisation of an [..., width] array of ``size`` elements runs:
+    its Pallas kernels (``ops.l2norm``) under "pallas" / "interpret" and their Mosaic
+    counterparts, for 2- and 4-byte inputs whose rows are one power-of-two tile of at most
+    KERNEL_MAX_WIDTH and fewer than 2^31 elements in all (32-bit offsets); the jnp formula
+    otherwise."""
+    implementation = triton_counterpart(implementation)
+    fits = (tile_width(width) == width <= KERNEL_MAX_WIDTH and size < 2 ** 31
+            and kernel_dtype_supported(dtype))
+    return implementation if implementation in ("pallas", "interpret") and fits else "xla"
+
+
 def work_dtype(dtype):
     """w, u and h of the Pallas path, and the forward walk's dot operands: 16-bit for 16-bit
     inputs (as fla keeps them; the carried state stays float32), float32 otherwise."""

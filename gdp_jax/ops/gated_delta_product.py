@@ -25,13 +25,14 @@ import jax.numpy as jnp
 
 from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
-from gdp_jax._src.layout import l2norm, pad_state, tile_width
+from gdp_jax._src.layout import pad_state, tile_width
 from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas
 from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
 from gdp_jax.ops.chunk_h.xla import chunk_h_xla
 from gdp_jax.ops.chunk_o import chunk_o
 from gdp_jax.ops.cumsum import chunk_local_log2_cumsum, expanded_log2_decays, sub_chunk_size
+from gdp_jax.ops.l2norm import l2norm
 from gdp_jax.ops.wy.pallas_bwd import wy_bwd_pallas
 from gdp_jax.ops.wy.pallas_fwd import wy_pallas
 from gdp_jax.ops.wy.xla import wy_bwd_xla, wy_xla
@@ -100,7 +101,7 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     implementation = dispatch.resolve_implementation(implementation)
 
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        q, k = l2norm(q, implementation), l2norm(k, implementation)
     runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))
     h, v_new, final_state, k = chunk_states(k, v, beta, g, runs, initial_state,
                                             chunk_size=chunk_size, num_householder=m,

@@ -1,0 +1,87 @@
+"""L2 normalisation of q and k over their last axis (``use_qk_l2norm``), with its VJP.
+
+    y = x r,   r = (sum_d x_d^2 + eps)^(-1/2)            (float32, y rounded to x's dtype)
+    dx = r (dy - y32 sum_d dy_d y32_d),   y32 = x r in float32
+
+Two Pallas kernels (Triton lowering) under one ``jax.custom_vjp``, each a single pass over HBM:
+the forward reads x and writes y; the backward reads x and dy and writes dx, recomputing r from x,
+so x is the only residual. Rows are ``[N, D]`` tiles of 64 rows; the last block's extra rows are
+masked. Autodiff of the jnp formula (``layout.l2norm``, the "xla" path) runs as XLA fusions that
+read the rows more than once (RESULTS.md, "use_qk_l2norm").
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from gdp_jax._src import dispatch
+from gdp_jax._src.layout import L2NORM_EPS, l2norm as l2norm_xla
+from gdp_jax._src.pallas import load_rows, plgpu, triton_call
+
+__all__ = ["l2norm"]
+
+BLOCK_ROWS = 64
+NUM_WARPS = 4
+
+
+def l2norm(x: jax.Array, implementation: str = "xla") -> jax.Array:
+    """x / sqrt(sum(x^2) + 1e-6) over the last axis, computed in float32, returned in x's dtype
+    (fla's formula); differentiable.
+
+    x: [..., D] float. ``implementation`` resolved as for the op: "pallas" and "interpret" run
+    the kernels where ``dispatch.l2norm_implementation`` takes them, "xla" the jnp formula.
+    """
+    impl = dispatch.l2norm_implementation(implementation, x.dtype, x.shape[-1], x.size)
+    if impl == "xla":
+        return l2norm_xla(x)
+    return _l2norm(x, impl == "interpret")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _l2norm(x, interpret):
+    return _call(x, None, interpret)
+
+
+def _l2norm_fwd(x, interpret):
+    return _call(x, None, interpret), x
+
+
+def _l2norm_bwd(interpret, x, dy):
+    return (_call(x, dy, interpret),)
+
+
+_l2norm.defvjp(_l2norm_fwd, _l2norm_bwd)
+
+
+def _kernel(x_ref, dy_ref, out_ref, *, rows: int, eps: float):
+    first = pl.program_id(0) * BLOCK_ROWS
+    row_valid = first + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0) < rows
+    x = load_rows(x_ref, row_valid).astype(jnp.float32)                 # [BR, D]
+    r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) + eps)[:, None]             # [BR, 1]
+    y = x * r
+    if dy_ref is None:
+        out = y
+    else:
+        dy = load_rows(dy_ref, row_valid).astype(jnp.float32)
+        out = r * (dy - y * jnp.sum(dy * y, axis=1)[:, None])
+    plgpu.store(out_ref, out.astype(out_ref.dtype), mask=row_valid[:, None])
+
+
+def _call(x, dy, interpret: bool):
+    """y (dy None) or dx, in x's dtype; x [..., D] as ``dispatch.l2norm_implementation`` admits."""
+    shape, width = x.shape, x.shape[-1]
+    rows = x.size // width
+    flat = lambda a: a.reshape(rows, width)
+    spec = pl.BlockSpec((BLOCK_ROWS, width), lambda i: (i, 0))
+    out = triton_call(
+        functools.partial(_kernel, rows=rows, eps=L2NORM_EPS), flat(x),
+        None if dy is None else flat(dy),
+        name="gdp_l2norm_fwd" if dy is None else "gdp_l2norm_bwd", grid=(pl.cdiv(rows, BLOCK_ROWS),),
+        in_specs=(spec, None if dy is None else spec), out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct((rows, width), x.dtype),
+        num_warps=NUM_WARPS, num_stages=1, interpret=interpret)
+    return out.reshape(shape)
+

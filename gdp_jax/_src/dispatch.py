@@ -19,6 +19,7 @@ Where a request cannot run as asked, it runs the next implementation down, never
 | "mosaic" chunk_o backward, K or V padded above 128 | the "pallas" rule | the backward's SMEM tiles hold K, V up to 128 |
 | "pallas" chunk_o backward where the Mosaic one runs (jax >= 0.11) | the Mosaic GPU backward | 1.2-1.4x faster than the Triton backward on an H200 (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
 | "mosaic", the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
+| use_qk_l2norm under "pallas" / "interpret", rows not one power-of-two tile up to 256, or 2^31 elements or more | the jnp formula, autodiffed | the kernels (``ops.l2norm``) take one tile per row and 32-bit offsets |
 
 The interpreters have no shared-memory limit and run every 2- and 4-byte input (the Mosaic GPU
 one: what ``mosaic_supported`` accepts). The dtype rules of the full op's Pallas path are the
@@ -91,7 +92,7 @@ def mosaic_supported(dtype, h_dtype, key_dim: int, value_dim: int, chunk_size: i
             and _mosaic_width(key_dim, value_dim) <= KERNEL_MAX_WIDTH)
 
 
-MOSAIC_BWD_MAX_WIDTH = 128   # the backward's SMEM tiles: 193 KiB at K = V = 128 (227 KiB on an H200)
+MOSAIC_BWD_MAX_WIDTH = 128   # the backward at K = V = 256 would need 224 KiB of tiles before scratch (227 on an H200)
 
 
 def chunk_o_backward_implementation(forward: str, dtype, key_dim: int, value_dim: int,

@@ -13,9 +13,13 @@ chunk, batch) on one warpgroup, every product a wgmma on SMEM tiles:
                  dg_row += rowsum(Z_m),  dg_col += colsum(Z_m)
     dg = ln2 (dg_row - dg_col)                         summed in XLA from the two [B, H, T] parts
 
+Two phases in that order, their SMEM tiles scoped so that the second reuses the first's: the
+state phase (h, wdo; dh leaves through h's tile), then the copies (k, v, S_m, dA_m, dk; dv leaves
+through v's tile once dpv_m has read it). q and do live through both.
+
 Operands as in ``mosaic_fwd`` (k, v, dk, dv viewed as [B, T, M*H, *]; g as [B, H, T]).
 Supported (``dispatch.chunk_o_backward_implementation``): what the forward takes, with K and V
-up to 128 (the kernel's SMEM tiles: 193 KiB at K = V = 128). Ragged T is padded to whole chunks
+up to 128 (SMEM: 100 KiB at K = V = 128, two programs per SM). Ragged T is padded to whole chunks
 here.
 """
 from __future__ import annotations

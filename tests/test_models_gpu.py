@@ -28,6 +28,7 @@ CONFIG = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2, 
               fuse_cross_entropy=False)
 TOL = 5e-2        # relative Frobenius, bf16 logits (bf16 noise: tests/test_models_fla_checkpoint.py)
 GRAD_TOL = 5e-2   # relative Frobenius per parameter: fla's bf16 backward against float32 compute
+LAYER_TOL = 2e-2  # one layer, fla in bf16 against float32 compute (7.5e-3 measured on packed rows)
 
 
 def _fla(config, seed, tmp_path, dtype=torch.bfloat16):
@@ -60,6 +61,62 @@ def test_logits_match_fla(tmp_path, dtype):
         ours, jnp.asarray(ids), jnp.asarray(mask)), np.float32)
     real = mask == 1
     assert _rel(got[real], want[real]) < TOL
+
+
+def test_our_checkpoint_loads_in_fla(tmp_path):
+    """The other direction: a model of ours (random init), written by save_pretrained, loaded by
+    fla's from_pretrained: the same parameters bit for bit, and fla's logits within bf16 noise of
+    ours."""
+    from gdp_jax.models import GatedDeltaProductConfig, init_model
+    ours = init_model(GatedDeltaProductConfig(**CONFIG), seed=3, param_dtype=jnp.bfloat16)
+    ours.save_pretrained(tmp_path)
+    model = fla_models.GatedDeltaProductForCausalLM.from_pretrained(tmp_path).to("cuda").eval()
+    theirs = {k: p.detach().float().cpu().numpy() for k, p in model.state_dict().items()}
+    mine = {fla_name(p): to_fla_layout(p, np.asarray(v.get_value(), np.float32))
+            for p, v in nnx.to_flat_state(nnx.state(ours, nnx.Param))}
+    assert set(mine) == set(theirs)
+    for k in mine:
+        np.testing.assert_array_equal(mine[k], theirs[k], err_msg=k)
+    ids = np.random.default_rng(3).integers(3, 256, (2, 100))
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(ids, device="cuda"),
+                     use_cache=False).logits.float().cpu().numpy()
+    got = np.asarray(nnx.jit(lambda m, a: m(a))(ours, jnp.asarray(ids)), np.float32)
+    assert _rel(got, want) < TOL
+
+
+@pytest.mark.parametrize("kw", [
+    {"num_v_heads": 4, "conv_bias": True},
+    {"use_short_conv": False, "num_v_heads": 4, "use_forget_gate": False,
+     "allow_neg_eigval": False, "num_householder": 3},
+], ids=["num_v_heads+conv_bias", "no_conv+ungated"])
+def test_layer_options_match_fla_layer(kw):
+    """The layer options fla's model config does not reach (fla's GatedDeltaProduct layer built in
+    torch, our weights loaded into it): more value heads than q/k heads, conv bias, SiLU without
+    the short convolution. Ours in float32 compute, fla in bf16 (its chunked op refuses float32)."""
+    from fla.layers import GatedDeltaProduct as FlaLayer
+    from gdp_jax.layers import GatedDeltaProduct
+    from gdp_jax.models.convert import fla_state_dict
+    hidden, heads, head_dim = 64, 2, 32
+    ours = GatedDeltaProduct(hidden, num_heads=heads, head_dim=head_dim, expand_v=2.0,
+                             rngs=nnx.Rngs(0),
+                             **dict(kw, no_conv_activation="silu")
+                             if not kw.get("use_short_conv", True) else kw)
+    rng = np.random.default_rng(0)
+    for path, var in nnx.to_flat_state(nnx.state(ours, nnx.Param)):
+        if path[-1] == "bias":      # nnx inits biases to zero: give them values the test sees
+            var.set_value(jnp.asarray(rng.normal(0, 0.3, var.get_value().shape), jnp.float32))
+    theirs = FlaLayer(hidden_size=hidden, num_heads=heads, head_dim=head_dim, expand_v=2.0,
+                      layer_idx=0, **kw)
+    theirs.load_state_dict({k: torch.as_tensor(np.asarray(v, np.float32))
+                            for k, v in fla_state_dict(ours).items()})
+    theirs = theirs.to("cuda", dtype=torch.bfloat16).eval()
+    x = rng.standard_normal((2, 100, hidden)).astype(np.float32)
+    with torch.no_grad():
+        want = theirs(torch.as_tensor(x, device="cuda", dtype=torch.bfloat16))[0]
+    want = want.float().cpu().numpy()
+    got = np.asarray(nnx.jit(lambda m, a: m(a))(ours, jnp.asarray(x)), np.float32)
+    assert _rel(got, want) < LAYER_TOL
 
 
 def test_training_step_gradients_match_fla(tmp_path):

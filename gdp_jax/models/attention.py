@@ -14,7 +14,10 @@ fla's semantics, and where this layer states them its own way:
   angle tables in float32 rounded to the activations' dtype, as fla's RotaryEmbedding.
   Positions count from 0 at each segment start (fla: from each cu_seqlens start; with
   padding, from each row's first real token); RoPE scores depend only on position differences,
-  so any per-sequence offset gives the same attention.
+  so any per-sequence offset gives the same attention. One difference: where an attention_mask
+  has holes inside a row (padding between real tokens), positions here count real tokens only,
+  while fla's rotary offsets column indices per row, so the distance across a hole differs.
+  Left and right padding (what tokenizers and generate make) agree.
 - softmax(q k^T / sqrt(Dh)) over the keys of the same segment at or before the query, and, with
   window_size w, at most w - 1 tokens before it (flash-attn's window (w - 1, 0)).
 - o_proj(o) without bias.

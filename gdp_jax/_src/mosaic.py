@@ -91,14 +91,6 @@ def _operand(ref, transposed: bool, interpret: bool):
     return plgpu.transpose_ref(ref, (1, 0)) if transposed else ref
 
 
-def scoped(body, interpret: bool, *types):
-    """``body(*refs)`` on scratch of ``types`` allocated for its duration only: scopes that follow
-    one another reuse the same SMEM (Mosaic GPU allocates scoped scratch as a stack). Whatever
-    reads a scoped tile asynchronously (a TMA store) must be waited for inside ``body``."""
-    del interpret     # the interpreter runs run_scoped as it is
-    return pl.run_scoped(body, *types)
-
-
 def accumulate(shape, body, interpret: bool, *, with_aux: bool = False):
     """Runs ``body(mma)`` with one float32 accumulator of ``shape`` and returns its value (and,
     ``with_aux``, what ``body`` returns: values made inside the accumulator's scope must leave it
@@ -109,18 +101,14 @@ def accumulate(shape, body, interpret: bool, *, with_aux: bool = False):
     Other accumulators may be scoped inside the body.
     """
     if interpret:
-        # The running sum lives in a ref, so that bodies with scopes of their own (``scoped``:
-        # traced as sub-jaxprs) may add to it.
-        def interpreted(total):
-            total[...] = jnp.zeros(shape, jnp.float32)
+        total = [jnp.zeros(shape, jnp.float32)]
 
-            def mma(a, b, transpose_a=False, transpose_b=False):
-                total[...] += jnp.dot(_operand(a, transpose_a, True),
-                                      _operand(b, transpose_b, True),
-                                      preferred_element_type=jnp.float32)
-            aux = body(mma)
-            return (total[...], aux) if with_aux else total[...]
-        return pl.run_scoped(interpreted, plgpu.SMEM(shape, jnp.float32))
+        def mma(a, b, transpose_a=False, transpose_b=False):
+            total[0] = total[0] + jnp.dot(_operand(a, transpose_a, True),
+                                          _operand(b, transpose_b, True),
+                                          preferred_element_type=jnp.float32)
+        aux = body(mma)
+        return (total[0], aux) if with_aux else total[0]
 
     def scope(acc):
         def mma(a, b, transpose_a=False, transpose_b=False):

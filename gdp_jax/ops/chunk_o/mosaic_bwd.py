@@ -13,18 +13,12 @@ chunk, batch) on one warpgroup, every product a wgmma on SMEM tiles:
                  dg_row += rowsum(Z_m),  dg_col += colsum(Z_m)
     dg = ln2 (dg_row - dg_col)                         summed in XLA from the two [B, H, T] parts
 
-Two phases in that order, their SMEM tiles scoped so that the second reuses the first's: the
-state phase (h, wdo; dh leaves through h's tile), then the copies (k, v, S_m, dA_m, dk; dv leaves
-through v's tile once dpv_m has read it). q and do live through both.
-
 Operands as in ``mosaic_fwd`` (k, v, dk, dv viewed as [B, T, M*H, *]; g as [B, H, T]).
 Supported (``dispatch.chunk_o_backward_implementation``): what the forward takes, with K and V
-up to 128 (SMEM: 100 KiB at K = V = 128, two programs per SM). Ragged T is padded to whole chunks
+up to 128 (the kernel's SMEM tiles: 193 KiB at K = V = 128). Ragged T is padded to whole chunks
 here.
 """
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,16 +39,14 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     g_g = refs[5] if has_g else None
     sr_g = refs[5 + has_g] if has_segments else None
     dq_g, dk_g, dv_g, dh_g, dg_g = refs[-5:]
-    q_s, do_s, g_s, sr_s, in_bar, kv_bar = scratch
+    (q_s, do_s, h_s, k_s, v_s, wdo_s, s_s, da_s, dh_s, dk_s, dv_s, g_s, sr_s, dg_s,
+     in_bar, kv_bar) = scratch
     hd, c, b = (lax.axis_index(n) for n in ("head", "chunk", "batch"))
     rows = pl.ds(c * bt, bt)
-    key_dim, value_dim = q_s.shape[1], do_s.shape[1]
-    dtype = q_s.dtype
-    tiles = mg.tile_transforms(dtype)
-    smem = lambda *shape: plgpu.SMEM(shape, dtype, transforms=tiles)
 
     plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
     plgpu.copy_gmem_to_smem(do_g.at[b, rows, hd], do_s, in_bar.at[1])
+    plgpu.copy_gmem_to_smem(h_g.at[b, c, hd], h_s, in_bar.at[2])
     g_copies = (g_s.at[0], g_s.at[1]) if has_g else None      # read per row, per column
     if has_g:
         for i, g_copy in enumerate(g_copies):
@@ -62,97 +54,80 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     if has_segments:
         plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[5])
 
+    def load_copy(copy):
+        plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s, kv_bar.at[0])
+        plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd], v_s, kv_bar.at[1])
+    load_copy(0)
+
     w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[3], in_bar.at[4]),
                       sr_s if has_segments else None, in_bar.at[5], interpret)
     pair_mask, pair_weight, row_weight = w.pair_mask, w.pair_weight, w.row_weight
     t_ids, s_ids = w.ids
     below_diagonal = pair_mask & (s_ids < t_ids)
-    row_scale = scale if row_weight is None else scale * row_weight
 
     def weigh(x):                                   # P ⊙ x
         return x * pair_weight if has_g else jnp.where(pair_mask, x, 0.0)
 
     plgpu.barrier_wait(in_bar.at[0])
     plgpu.barrier_wait(in_bar.at[1])
+    plgpu.barrier_wait(in_bar.at[2])
+    do = mg.tile(do_s, interpret).astype(jnp.float32)                       # [BT, V]
+    row_scale = scale if row_weight is None else scale * row_weight
+    row_scale_tile = (row_scale if row_weight is None
+                      else mg.broadcast_rows(row_scale, do.shape))
+    wdo_s[...] = (do * row_scale_tile).astype(wdo_s.dtype)
+    plgpu.commit_smem()
 
-    def state_phase(mma, h_s, wdo_s):
-        """dh, dq's state term and the state's share of dg; h's tile then stages dh."""
-        plgpu.copy_gmem_to_smem(h_g.at[b, c, hd], h_s, in_bar.at[2])
-        do = mg.tile(do_s, interpret).astype(jnp.float32)                   # [BT, V]
-        row_scale_tile = (row_scale if row_weight is None
-                          else mg.broadcast_rows(row_scale, do.shape))
-        wdo_s[...] = (do * row_scale_tile).astype(wdo_s.dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_wait(in_bar.at[2])
-        dg_row = None
-        if has_g:
-            state = mg.dot(q_s, h_s, interpret)                              # [BT, V]
-            dg_row = jnp.sum(state * do, axis=1) * row_scale
-        mma(wdo_s, h_s, transpose_b=True)                                    # h is read
-        h_s[...] = mg.dot_tn(q_s, wdo_s, interpret).astype(h_s.dtype)       # dh [K, V]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(h_s, dh_g.at[b, c, hd])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the scope's SMEM is reused next
-        return dg_row
+    dh_s[...] = mg.dot_tn(q_s, wdo_s, interpret).astype(dh_s.dtype)        # [K, V]
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dh_s, dh_g.at[b, c, hd])
 
-    def copies_phase(mma, dg_row, k_s, v_s, s_s, da_s, dk_s):
-        """Per copy: dv (staged in v's tile once read), dk, and dq's share; dg's pair terms."""
-        def load(copy, ref, tile, barrier):
-            plgpu.copy_gmem_to_smem(ref.at[b, rows, copy * heads + hd], tile, barrier)
+    dg_row = dg_col = None
+    if has_g:
+        state = mg.dot(q_s, h_s, interpret)                                 # [BT, V]
+        dg_row = jnp.sum(state * do, axis=1) * row_scale
 
-        load(0, k_g, k_s, kv_bar.at[0])
-        load(0, v_g, v_s, kv_bar.at[1])
-        dg_col = None
+    def dq_body(mma):
+        dg_row_, dg_col_ = dg_row, dg_col
+        mma(wdo_s, h_s, transpose_b=True)
         for copy in range(m):
             plgpu.barrier_wait(kv_bar.at[0])
             plgpu.barrier_wait(kv_bar.at[1])
             score = weigh(mg.dot_nt(q_s, k_s, interpret))                   # S_m [BT, BT]
-            dpv = mg.dot_nt(do_s, v_s, interpret)                            # v is read
+            dpv = mg.dot_nt(do_s, v_s, interpret)                            # [BT, BT]
             d_score = weigh(scale * dpv)                                     # dA_m
             s_s[...] = score.astype(s_s.dtype)
             da_s[...] = d_score.astype(da_s.dtype)
             plgpu.commit_smem()
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last copy's dk has left
-            v_s[...] = (scale * mg.dot_tn(s_s, do_s, interpret)).astype(v_s.dtype)     # dv
+            plgpu.wait_smem_to_gmem(0)          # the previous copy's dk, dv have left SMEM
+            dv_s[...] = (scale * mg.dot_tn(s_s, do_s, interpret)).astype(dv_s.dtype)
             dk_s[...] = mg.dot_tn(da_s, q_s, interpret).astype(dk_s.dtype)
-            mma(da_s, k_s)                                                   # k is read
+            mma(da_s, k_s)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(v_s, dv_g.at[b, rows, copy * heads + hd])
+            plgpu.copy_smem_to_gmem(dv_s, dv_g.at[b, rows, copy * heads + hd])
             plgpu.copy_smem_to_gmem(dk_s, dk_g.at[b, rows, copy * heads + hd])
-            if copy + 1 < m:
-                load(copy + 1, k_g, k_s, kv_bar.at[0])
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # dv has left v's tile
-                load(copy + 1, v_g, v_s, kv_bar.at[1])
+            if copy + 1 < m:                    # k and v are read (every product waited)
+                load_copy(copy + 1)
             if has_g:
                 z = jnp.where(below_diagonal, score * (scale * dpv), 0.0)
-                dg_row = dg_row + jnp.sum(z, axis=1)
+                dg_row_ = dg_row_ + jnp.sum(z, axis=1)
                 col = jnp.sum(z, axis=0)
-                dg_col = col if dg_col is None else dg_col + col
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)       # the scope's SMEM is reused next
-        return dg_row, dg_col
+                dg_col_ = col if dg_col_ is None else dg_col_ + col
+        return dg_row_, dg_col_
 
-    def dq_body(mma):
-        dg_row = mg.scoped(functools.partial(state_phase, mma), interpret,
-                           smem(key_dim, value_dim), smem(bt, value_dim))
-        return mg.scoped(functools.partial(copies_phase, mma, dg_row), interpret,
-                         smem(bt, key_dim), smem(bt, value_dim), smem(bt, bt), smem(bt, bt),
-                         smem(bt, key_dim))
-
-    dq, (dg_row, dg_col) = mg.accumulate((bt, key_dim), dq_body, interpret,
+    dq, (dg_row, dg_col) = mg.accumulate((bt, q_s.shape[1]), dq_body, interpret,
                                          with_aux=True)                     # dq [BT, K]
-
-    def finish(dq_s, dg_s):
-        dq_s[...] = dq.astype(dq_s.dtype)
-        if has_g:
-            dg_s.at[0][...] = LN2 * dg_row
-            dg_s.at[1][...] = LN2 * dg_col
+    plgpu.wait_smem_to_gmem(0)                  # dh, dk, dv have left SMEM
+    dk_s[...] = dq.astype(dk_s.dtype)          # dk's tile is free: dq leaves through it
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dk_s, dq_g.at[b, rows, hd])
+    if has_g:
+        dg_s.at[0][...] = LN2 * dg_row
+        dg_s.at[1][...] = LN2 * dg_col
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_s, dq_g.at[b, rows, hd])
-        if has_g:
-            plgpu.copy_smem_to_gmem(dg_s.at[0], dg_g.at[0, b, hd, rows])
-            plgpu.copy_smem_to_gmem(dg_s.at[1], dg_g.at[1, b, hd, rows])
-        plgpu.wait_smem_to_gmem(0)
-    mg.scoped(finish, interpret, smem(bt, key_dim), plgpu.SMEM((2, bt), jnp.float32))
+        plgpu.copy_smem_to_gmem(dg_s.at[0], dg_g.at[0, b, hd, rows])
+        plgpu.copy_smem_to_gmem(dg_s.at[1], dg_g.at[1, b, hd, rows])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int,
@@ -170,12 +145,14 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
 
     dtype, bt = q.dtype, chunk_size
     tiles = mg.tile_transforms(dtype)
-    # q and do live through the kernel; the state phase's and the copies phase's tiles are scoped
-    # (mg.scoped) and share SMEM: 98 KiB at K = V = 128, two programs per SM.
+    smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=tiles)
     scratch = (
-        plgpu.SMEM((bt, key_dim), dtype, transforms=tiles),                 # q
-        plgpu.SMEM((bt, value_dim), dtype, transforms=tiles),               # do
-        plgpu.SMEM((2, bt), jnp.float32), plgpu.SMEM((bt,), jnp.int32),     # g x2, starts
+        smem((bt, key_dim)), smem((bt, value_dim)), smem((key_dim, value_dim)),     # q, do, h
+        smem((bt, key_dim)), smem((bt, value_dim)),                                  # k, v
+        smem((bt, value_dim)), smem((bt, bt)), smem((bt, bt)),                       # wdo, S, dA
+        smem((key_dim, value_dim)), smem((bt, key_dim)), smem((bt, value_dim)),     # dh, dk, dv
+        plgpu.SMEM((2, bt), jnp.float32), plgpu.SMEM((bt,), jnp.int32),             # g x2, starts
+        plgpu.SMEM((2, bt), jnp.float32),                                            # dg parts
         plgpu.Barrier(num_arrivals=1, num_barriers=6),               # q, do, h, g x2, starts
         plgpu.Barrier(num_arrivals=1, num_barriers=2),                              # k, v
     )

@@ -3,11 +3,11 @@
     y = x r,   r = (sum_d x_d^2 + eps)^(-1/2)            (float32, y rounded to x's dtype)
     dx = r (dy - y32 sum_d dy_d y32_d),   y32 = x r in float32
 
-Two Pallas kernels (Triton lowering) under one ``jax.custom_vjp``, each a single pass over HBM:
-the forward reads x and writes y; the backward reads x and dy and writes dx, recomputing r from x,
-so x is the only residual. Rows are ``[N, D]`` tiles of 64 rows; the last block's extra rows are
-masked. Autodiff of the jnp formula (``layout.l2norm``, the "xla" path) runs as XLA fusions that
-read the rows more than once (RESULTS.md, "use_qk_l2norm").
+One ``jax.custom_vjp``: the forward is the jnp formula (``layout.l2norm``), which XLA fuses into
+the passes that consume y; the backward is a Pallas kernel (Triton lowering), one pass over HBM
+that reads x and dy and writes dx, recomputing r from x, so x is the only residual. Rows are
+``[N, D]`` tiles of 64 rows; the last block's extra rows are masked. Measured against autodiff
+of the formula, and a forward kernel against XLA's, in RESULTS.md ("use_qk_l2norm").
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def l2norm(x: jax.Array, implementation: str = "xla") -> jax.Array:
     (fla's formula); differentiable.
 
     x: [..., D] float. ``implementation`` resolved as for the op: "pallas" and "interpret" run
-    the kernels where ``dispatch.l2norm_implementation`` takes them, "xla" the jnp formula.
+    the backward kernel where ``dispatch.l2norm_implementation`` takes it, "xla" autodiff of
+    the jnp formula.
     """
     impl = dispatch.l2norm_implementation(implementation, x.dtype, x.shape[-1], x.size)
     if impl == "xla":
@@ -42,11 +43,11 @@ def l2norm(x: jax.Array, implementation: str = "xla") -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _l2norm(x, interpret):
-    return _call(x, None, interpret)
+    return l2norm_xla(x)
 
 
 def _l2norm_fwd(x, interpret):
-    return _call(x, None, interpret), x
+    return l2norm_xla(x), x
 
 
 def _l2norm_bwd(interpret, x, dy):
@@ -56,31 +57,27 @@ def _l2norm_bwd(interpret, x, dy):
 _l2norm.defvjp(_l2norm_fwd, _l2norm_bwd)
 
 
-def _kernel(x_ref, dy_ref, out_ref, *, rows: int, eps: float):
+def _kernel(x_ref, dy_ref, dx_ref, *, rows: int, eps: float):
     first = pl.program_id(0) * BLOCK_ROWS
     row_valid = first + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0) < rows
     x = load_rows(x_ref, row_valid).astype(jnp.float32)                 # [BR, D]
     r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) + eps)[:, None]             # [BR, 1]
     y = x * r
-    if dy_ref is None:
-        out = y
-    else:
-        dy = load_rows(dy_ref, row_valid).astype(jnp.float32)
-        out = r * (dy - y * jnp.sum(dy * y, axis=1)[:, None])
-    plgpu.store(out_ref, out.astype(out_ref.dtype), mask=row_valid[:, None])
+    dy = load_rows(dy_ref, row_valid).astype(jnp.float32)
+    dx = r * (dy - y * jnp.sum(dy * y, axis=1)[:, None])
+    plgpu.store(dx_ref, dx.astype(dx_ref.dtype), mask=row_valid[:, None])
 
 
 def _call(x, dy, interpret: bool):
-    """y (dy None) or dx, in x's dtype; x [..., D] as ``dispatch.l2norm_implementation`` admits."""
+    """dx in x's dtype; x, dy [..., D] as ``dispatch.l2norm_implementation`` admits."""
     shape, width = x.shape, x.shape[-1]
     rows = x.size // width
     flat = lambda a: a.reshape(rows, width)
     spec = pl.BlockSpec((BLOCK_ROWS, width), lambda i: (i, 0))
     out = triton_call(
-        functools.partial(_kernel, rows=rows, eps=L2NORM_EPS), flat(x),
-        None if dy is None else flat(dy),
-        name="gdp_l2norm_fwd" if dy is None else "gdp_l2norm_bwd", grid=(pl.cdiv(rows, BLOCK_ROWS),),
-        in_specs=(spec, None if dy is None else spec), out_specs=spec,
+        functools.partial(_kernel, rows=rows, eps=L2NORM_EPS), flat(x), flat(dy),
+        name="gdp_l2norm_bwd", grid=(pl.cdiv(rows, BLOCK_ROWS),),
+        in_specs=(spec, spec), out_specs=spec,
         out_shape=jax.ShapeDtypeStruct((rows, width), x.dtype),
         num_warps=NUM_WARPS, num_stages=1, interpret=interpret)
     return out.reshape(shape)

@@ -1,4 +1,4 @@
-"""use_qk_l2norm's normalisation on its own: the Pallas kernels (interpreter) and their custom_vjp
+"""use_qk_l2norm's normalisation on its own: its custom_vjp (the backward kernel in the interpreter)
 against float64 evaluation and autodiff of fla's formula, and the dispatch rule. The full op
 through it: test_full_op.py ("g-seg-init-l2norm"), compiled: test_gpu.py."""
 import chex

@@ -19,7 +19,7 @@ Where a request cannot run as asked, it runs the next implementation down, never
 | "mosaic" chunk_o backward, K or V padded above 128 | the "pallas" rule | the backward's SMEM tiles hold K, V up to 128 |
 | "pallas" chunk_o backward where the Mosaic one runs (jax >= 0.11) | the Mosaic GPU backward | 1.2-1.4x faster than the Triton backward on an H200 (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
 | "mosaic", the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
-| use_qk_l2norm under "pallas" / "interpret", rows not one power-of-two tile up to 256, or 2^31 elements or more | the jnp formula, autodiffed | the kernels (``ops.l2norm``) take one tile per row and 32-bit offsets |
+| use_qk_l2norm under "pallas" / "interpret", rows not one power-of-two tile up to 256, or 2^31 elements or more | autodiff of the jnp formula | the backward kernel (``ops.l2norm``) takes one tile per row and 32-bit offsets |
 
 The interpreters have no shared-memory limit and run every 2- and 4-byte input (the Mosaic GPU
 one: what ``mosaic_supported`` accepts). The dtype rules of the full op's Pallas path are the
@@ -166,10 +166,10 @@ def states_implementation(implementation: str, dtype, key_dim: int, value_dim: i
 
 def l2norm_implementation(implementation: str, dtype, width: int, size: int) -> str:
     """What ``use_qk_l2norm``'s normalisation of an [..., width] array of ``size`` elements runs:
-    its Pallas kernels (``ops.l2norm``) under "pallas" / "interpret" and their Mosaic
+    its backward's Pallas kernel (``ops.l2norm``) under "pallas" / "interpret" and their Mosaic
     counterparts, for 2- and 4-byte inputs whose rows are one power-of-two tile of at most
-    KERNEL_MAX_WIDTH and fewer than 2^31 elements in all (32-bit offsets); the jnp formula
-    otherwise."""
+    KERNEL_MAX_WIDTH and fewer than 2^31 elements in all (32-bit offsets); autodiff of the jnp
+    formula otherwise."""
     implementation = triton_counterpart(implementation)
     fits = (tile_width(width) == width <= KERNEL_MAX_WIDTH and size < 2 ** 31
             and kernel_dtype_supported(dtype))

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 fla_models = pytest.importorskip("fla.models")
 
 from gdp_jax.models import fla_name, from_pretrained  # noqa: E402
-from gdp_jax.models.convert import to_fla_layout  # noqa: E402
+from gdp_jax.models.convert import fla_state_dict, to_fla_layout  # noqa: E402
 
 CONFIG = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32,
               expand_v=2.0, intermediate_size=128, num_householder=2, use_forget_gate=True,
@@ -72,8 +72,7 @@ def test_our_checkpoint_loads_in_fla(tmp_path):
     ours.save_pretrained(tmp_path)
     model = fla_models.GatedDeltaProductForCausalLM.from_pretrained(tmp_path).to("cuda").eval()
     theirs = {k: p.detach().float().cpu().numpy() for k, p in model.state_dict().items()}
-    mine = {fla_name(p): to_fla_layout(p, np.asarray(v.get_value(), np.float32))
-            for p, v in nnx.to_flat_state(nnx.state(ours, nnx.Param))}
+    mine = fla_state_dict(ours, np.float32)
     assert set(mine) == set(theirs)
     for k in mine:
         np.testing.assert_array_equal(mine[k], theirs[k], err_msg=k)
@@ -96,7 +95,6 @@ def test_layer_options_match_fla_layer(kw):
     the short convolution. Ours in float32 compute, fla in bf16 (its chunked op refuses float32)."""
     from fla.layers import GatedDeltaProduct as FlaLayer
     from gdp_jax.layers import GatedDeltaProduct
-    from gdp_jax.models.convert import fla_state_dict
     hidden, heads, head_dim = 64, 2, 32
     ours = GatedDeltaProduct(hidden, num_heads=heads, head_dim=head_dim, expand_v=2.0,
                              rngs=nnx.Rngs(0),

@@ -81,4 +81,3 @@ def _call(x, dy, interpret: bool):
         out_shape=jax.ShapeDtypeStruct((rows, width), x.dtype),
         num_warps=NUM_WARPS, num_stages=1, interpret=interpret)
     return out.reshape(shape)
-

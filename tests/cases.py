@@ -477,3 +477,13 @@ def run_full_op(p: Problem, implementation, **kwargs):
     """(o, final_state) of the full op on the problem's inputs."""
     return full_op_fn(implementation, p.case.chunk_size, **kwargs)(
         *p.full_args(), initial_state=p.initial_state, segment_ids=p.segment_ids)
+
+
+def randomize_biases(module, seed: int = 0) -> None:
+    """Give a Flax NNX module's biases N(0, 0.3) values: nnx inits them to zero, where a test
+    comparing layers could not see them."""
+    from flax import nnx
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        if path[-1] == "bias":
+            var.set_value(jnp.asarray(rng.normal(0, 0.3, var.get_value().shape), jnp.float32))

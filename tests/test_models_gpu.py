@@ -22,6 +22,8 @@ fla_models = pytest.importorskip("fla.models")
 from gdp_jax.models import fla_name, from_pretrained  # noqa: E402
 from gdp_jax.models.convert import fla_state_dict, to_fla_layout  # noqa: E402
 
+from cases import randomize_biases  # noqa: E402
+
 CONFIG = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32,
               expand_v=2.0, intermediate_size=128, num_householder=2, use_forget_gate=True,
               allow_neg_eigval=True, initializer_range=0.1, pad_token_id=0,
@@ -100,10 +102,8 @@ def test_layer_options_match_fla_layer(kw):
                              rngs=nnx.Rngs(0),
                              **dict(kw, no_conv_activation="silu")
                              if not kw.get("use_short_conv", True) else kw)
+    randomize_biases(ours)
     rng = np.random.default_rng(0)
-    for path, var in nnx.to_flat_state(nnx.state(ours, nnx.Param)):
-        if path[-1] == "bias":      # nnx inits biases to zero: give them values the test sees
-            var.set_value(jnp.asarray(rng.normal(0, 0.3, var.get_value().shape), jnp.float32))
     theirs = FlaLayer(hidden_size=hidden, num_heads=heads, head_dim=head_dim, expand_v=2.0,
                       layer_idx=0, **kw)
     theirs.load_state_dict({k: torch.as_tensor(np.asarray(v, np.float32))

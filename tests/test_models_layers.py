@@ -13,6 +13,7 @@ from gdp_jax.models.attention import Attention  # noqa: E402
 from gdp_jax.models.convert import fla_state_dict  # noqa: E402
 
 import fla_reference as ref  # noqa: E402
+from cases import randomize_biases  # noqa: E402
 
 D, H, K = 32, 2, 16
 
@@ -21,19 +22,11 @@ def _params64(module):
     return {k: np.asarray(v, np.float64) for k, v in fla_state_dict(module).items()}
 
 
-def _randomize_biases(module, seed=0):
-    """nnx inits biases to zero; give them values so that the test sees them."""
-    rng = np.random.default_rng(seed)
-    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        if path[-1] == "bias":
-            var.set_value(jnp.asarray(rng.normal(0, 0.3, var.get_value().shape), jnp.float32))
-
-
 def _layer(**kw):
     kw.setdefault("num_householder", 2)
     layer = GatedDeltaProduct(D, num_heads=H, head_dim=K, chunk_size=16, implementation="xla",
                               rngs=nnx.Rngs(0), **kw)
-    _randomize_biases(layer)
+    randomize_biases(layer)
     return layer
 
 
@@ -169,7 +162,7 @@ def test_layer_rejects_bad_options():
 
 def _attention(**kw):
     layer = Attention(D, 4, kw.pop("num_kv_heads", 2), rngs=nnx.Rngs(3), **kw)
-    _randomize_biases(layer, 1)
+    randomize_biases(layer, 1)
     return layer
 
 

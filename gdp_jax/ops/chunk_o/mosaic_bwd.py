@@ -54,10 +54,13 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     if has_segments:
         plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[5])
 
-    def load_copy(copy):
+    def load_k(copy):
         plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s, kv_bar.at[0])
+
+    def load_v(copy):
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd], v_s, kv_bar.at[1])
-    load_copy(0)
+    load_k(0)
+    load_v(0)
 
     w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[3], in_bar.at[4]),
                       sr_s if has_segments else None, in_bar.at[5], interpret)
@@ -93,21 +96,25 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
         for copy in range(m):
             plgpu.barrier_wait(kv_bar.at[0])
             plgpu.barrier_wait(kv_bar.at[1])
+            # The next copy's k and v load as soon as their tiles are read (every product
+            # waits), so each copy overlaps the products that follow the last read.
             score = weigh(mg.dot_nt(q_s, k_s, interpret))                   # S_m [BT, BT]
             dpv = mg.dot_nt(do_s, v_s, interpret)                            # [BT, BT]
+            if copy + 1 < m:
+                load_v(copy + 1)
             d_score = weigh(scale * dpv)                                     # dA_m
             s_s[...] = score.astype(s_s.dtype)
             da_s[...] = d_score.astype(da_s.dtype)
             plgpu.commit_smem()
+            mma(da_s, k_s)
+            if copy + 1 < m:
+                load_k(copy + 1)
             plgpu.wait_smem_to_gmem(0)          # the previous copy's dk, dv have left SMEM
             dv_s[...] = (scale * mg.dot_tn(s_s, do_s, interpret)).astype(dv_s.dtype)
             dk_s[...] = mg.dot_tn(da_s, q_s, interpret).astype(dk_s.dtype)
-            mma(da_s, k_s)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dv_s, dv_g.at[b, rows, copy * heads + hd])
             plgpu.copy_smem_to_gmem(dk_s, dk_g.at[b, rows, copy * heads + hd])
-            if copy + 1 < m:                    # k and v are read (every product waited)
-                load_copy(copy + 1)
             if has_g:
                 z = jnp.where(below_diagonal, score * (scale * dpv), 0.0)
                 dg_row_ = dg_row_ + jnp.sum(z, axis=1)

@@ -9,7 +9,8 @@ batch) tile, one warpgroup each:
 
 Data movement is explicit: TMA copies bring the q tile, g, the segment start rows, the [K, BV]
 state tile and each Householder copy's k and v tiles into swizzled SMEM, each on its own barrier;
-with S slots (``BlockSizes.slots``) copy m+S loads into copy m's slot once copy m is computed.
+with S slots (``BlockSizes.slots``) copy m+S's k loads into copy m's slot once copy m's scores
+are made, its v once copy m's product with v is.
 Per copy, wgmma makes the scores q k_m^T (k_m as a transposed SMEM view), the registers weigh them
 (causal and segment masks, decays), the weighted tile goes back to SMEM as the left operand of the
 wgmma that adds it times v_m into the output accumulator. The state term q·h is a second
@@ -153,14 +154,17 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
     rows = pl.ds(c * bt, bt)
     cols = pl.ds(vb * bv, bv)
 
-    def load_copy(copy, slot):
+    def load_k(copy, slot):
         plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s.at[slot], k_bar.at[slot])
+
+    def load_v(copy, slot):
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd, cols], v_s.at[slot],
                                 v_bar.at[slot])
 
     plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
     for copy in range(slots):
-        load_copy(copy, copy)
+        load_k(copy, copy)
+        load_v(copy, copy)
     plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, :, cols], h_s, in_bar.at[1])
     g_copies = (g_s.at[0], g_s.at[1]) if has_g else None
     if has_g:
@@ -180,13 +184,15 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
             slot = copy % slots
             plgpu.barrier_wait(k_bar.at[slot])
             score = mg.dot_nt(q_s, k_s.at[slot], interpret)                 # [BT, BT] f32
+            if copy + slots < m:              # k's slot is read (the product waited)
+                load_k(copy + slots, slot)
             score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
             s_s[...] = score.astype(s_s.dtype)  # free: the last mma that read it waited
             plgpu.commit_smem()               # the register stores, visible to wgmma's reads
             plgpu.barrier_wait(v_bar.at[slot])
             mma(s_s, v_s.at[slot])
-            if copy + slots < m:              # both reads of this slot are done (mma waited)
-                load_copy(copy + slots, slot)
+            if copy + slots < m:              # v's slot is read (mma waited)
+                load_v(copy + slots, slot)
     intra = mg.accumulate((bt, bv), copies, interpret)                      # [BT, BV] f32
 
     plgpu.barrier_wait(in_bar.at[1])

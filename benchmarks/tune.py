@@ -252,8 +252,12 @@ class Walk(Wy):
         return out
 
     def default(self, shape, p):
+        from gdp_jax._src.layout import tile_width
         from gdp_jax.ops.chunk_h import pallas_fwd
-        return pallas_fwd.BlockSizes()
+        grid = self.grid[0]
+        return pallas_fwd.default_block_sizes(
+            tile_width(shape["K"]), min(tile_width(shape["V"]), 64),
+            grid["sub"] * grid["subchunks"], grid["work_dtype"])
 
     def call(self, sizes, options, shape, p, interpret):
         import jax.numpy as jnp
@@ -267,7 +271,7 @@ class Walk(Wy):
 
     def sweep(self, shape, default):
         out = [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64) for w in (2, 4, 8)]
-        out += [dict(num_stages=s) for s in (2, 3)] + [dict(dot_dtype="float32")]
+        out += [dict(num_stages=s) for s in (1, 2, 3)] + [dict(dot_dtype="float32")]
         return out
 
 

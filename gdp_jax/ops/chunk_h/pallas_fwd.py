@@ -27,11 +27,35 @@ from gdp_jax._src.pallas import plgpu, triton_call
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Launch parameters of the walk: one program per (value block, head, batch row). 64 value
-    columns and 4 warps (RESULTS.md, "State walk"); ``block_v`` None means min(V, 64)."""
+    """Launch parameters of the walk: one program per (value block, head, batch row);
+    ``block_v`` None means min(V, 64). ``default_block_sizes`` picks them per problem."""
     block_v: Optional[int] = None
     num_warps: int = 4
     num_stages: int = 1
+
+
+# Bytes of k, w and u one loop step loads (the M sub-chunks of one token chunk at K = V = 128,
+# 64-wide value blocks, 16-bit): the largest step measured to compile with two stages. The next
+# measured, M = 3 at K = 128 and M = 2 at K = 256, exceed the H200's shared memory.
+TWO_STAGE_STEP_BYTES = 2 * 64 * (2 * 128 + 64) * 2
+
+
+def default_block_sizes(key_dim: int, block_v: int, rows_per_step: int, dot_dtype,
+                        every_chunk_too: bool = False) -> BlockSizes:
+    """The walk's launch table (RESULTS.md, "State walk"); key_dim padded, ``rows_per_step`` the
+    rows of k, w and u one loop step reads (chunk_size * subchunks * num_householder).
+
+    | case | choice | why |
+    |---|---|---|
+    | all | 64 value columns, 4 warps | fastest of the block_v x warps sweep |
+    | 16-bit dots, step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time, outputs bit-identical |
+    | larger steps, float32 dots | 1 stage | 2 stages overflow shared memory (larger steps) or run 1.9x slower (float32 dots) |
+    | ``every_chunk_too`` (the backward's forward) | 1 stage | 2 stages not yet measured with the extra store |
+    """
+    itemsize = jnp.dtype(dot_dtype).itemsize
+    step_bytes = rows_per_step * (2 * key_dim + block_v) * itemsize
+    two = itemsize == 2 and step_bytes <= TWO_STAGE_STEP_BYTES and not every_chunk_too
+    return BlockSizes(num_stages=2 if two else 1)
 
 
 def decay_and_run_operands(g, runs, pad_tokens: int):
@@ -135,7 +159,8 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     pad_t = num_chunks * chunk_size - tokens
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     f32 = jnp.float32
-    sizes = block_sizes or BlockSizes()
+    sizes = block_sizes or default_block_sizes(kp, min(vp, 64), chunk_size * subchunks * m,
+                                               dot_dtype, every_chunk_too)
     block_v = sizes.block_v or min(vp, 64)
     t_pad = tokens + pad_t
     key_stream = pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0))

@@ -252,12 +252,10 @@ class Walk(Wy):
         return out
 
     def default(self, shape, p):
-        from gdp_jax._src.layout import tile_width
         from gdp_jax.ops.chunk_h import pallas_fwd
         grid = self.grid[0]
-        return pallas_fwd.default_block_sizes(
-            tile_width(shape["K"]), min(tile_width(shape["V"]), 64),
-            grid["sub"] * grid["subchunks"], grid["work_dtype"])
+        return pallas_fwd.default_block_sizes(shape["K"], shape["V"], grid["sub"] * grid["subchunks"],
+                                              grid["work_dtype"])
 
     def call(self, sizes, options, shape, p, interpret):
         import jax.numpy as jnp

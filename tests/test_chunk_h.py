@@ -287,12 +287,14 @@ def test_walk_default_block_sizes_table():
     (the full op's step is its token chunk, chunk_size * M rows); one elsewhere."""
     from gdp_jax.ops.chunk_h.pallas_fwd import default_block_sizes as walk_sizes
     stages = lambda *a, **kw: walk_sizes(*a, **kw).num_stages
-    assert stages(128, 64, 64 * 2, jnp.bfloat16) == 2               # measured: 0.86x
-    assert stages(128, 64, 64 * 1, jnp.float16) == 2                # M = 1: 0.75x
+    assert stages(128, 128, 64 * 2, jnp.bfloat16) == 2              # measured: 0.86x
+    assert stages(128, 128, 64 * 1, jnp.float16) == 2               # M = 1: 0.75x
     assert stages(64, 64, 64 * 2, jnp.bfloat16) == 2                # K = 64: 0.56x
     assert stages(64, 64, 64 * 3, jnp.bfloat16) == 2                # a smaller step than M = 2, K = 128
-    assert stages(128, 64, 64 * 3, jnp.bfloat16) == 1               # measured: shared memory overflows
-    assert stages(256, 64, 64 * 2, jnp.bfloat16) == 1               # the same
-    assert stages(128, 64, 64 * 2, jnp.float32) == 1                # measured: 1.9x slower
-    assert stages(128, 64, 64 * 2, jnp.bfloat16, every_chunk_too=True) == 1
-    assert BlockSizes() == walk_sizes(128, 64, 64 * 3, jnp.bfloat16)
+    assert stages(100, 256, 64 * 2, jnp.bfloat16) == 2              # K padded to 128, 64-wide v blocks
+    assert stages(128, 128, 64 * 3, jnp.bfloat16) == 1              # measured: shared memory overflows
+    assert stages(256, 256, 64 * 2, jnp.bfloat16) == 1              # the same
+    assert stages(129, 128, 64 * 2, jnp.bfloat16) == 1              # K padded to 256
+    assert stages(128, 128, 64 * 2, jnp.float32) == 1               # measured: 1.9x slower
+    assert stages(128, 128, 64 * 2, jnp.bfloat16, every_chunk_too=True) == 1
+    assert BlockSizes() == walk_sizes(128, 128, 64 * 3, jnp.bfloat16)

@@ -40,10 +40,11 @@ class BlockSizes:
 TWO_STAGE_STEP_BYTES = 2 * 64 * (2 * 128 + 64) * 2
 
 
-def default_block_sizes(key_dim: int, block_v: int, rows_per_step: int, dot_dtype,
+def default_block_sizes(key_dim: int, value_dim: int, rows_per_step: int, dot_dtype,
                         every_chunk_too: bool = False) -> BlockSizes:
-    """The walk's launch table (RESULTS.md, "State walk"); key_dim padded, ``rows_per_step`` the
-    rows of k, w and u one loop step reads (chunk_size * subchunks * num_householder).
+    """The walk's launch table (RESULTS.md, "State walk") for K, V (unpadded) and
+    ``rows_per_step``, the rows of k, w and u one loop step reads (chunk_size * subchunks *
+    num_householder).
 
     | case | choice | why |
     |---|---|---|
@@ -53,7 +54,8 @@ def default_block_sizes(key_dim: int, block_v: int, rows_per_step: int, dot_dtyp
     | ``every_chunk_too`` (the backward's forward) | 1 stage | 2 stages not yet measured with the extra store |
     """
     itemsize = jnp.dtype(dot_dtype).itemsize
-    step_bytes = rows_per_step * (2 * key_dim + block_v) * itemsize
+    block_v = min(tile_width(value_dim), 64)
+    step_bytes = rows_per_step * (2 * tile_width(key_dim) + block_v) * itemsize
     two = itemsize == 2 and step_bytes <= TWO_STAGE_STEP_BYTES and not every_chunk_too
     return BlockSizes(num_stages=2 if two else 1)
 
@@ -159,7 +161,7 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     pad_t = num_chunks * chunk_size - tokens
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     f32 = jnp.float32
-    sizes = block_sizes or default_block_sizes(kp, min(vp, 64), chunk_size * subchunks * m,
+    sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size * subchunks * m,
                                                dot_dtype, every_chunk_too)
     block_v = sizes.block_v or min(vp, 64)
     t_pad = tokens + pad_t

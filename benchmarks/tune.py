@@ -14,6 +14,7 @@ stage's BlockSizes fields, default and sweep):
   chunk_o_fwd_mosaic  ops.chunk_o.mosaic_fwd.chunk_o_fwd_mosaic (the same operands; 16-bit,
                --chunk 64; interpreted by Mosaic GPU's interpreter on a CPU)
   chunk_o_bwd  ops.chunk_o.pallas_bwd.chunk_o_bwd_pallas (q, k, v, h, g, runs, do)
+  chunk_o_bwd_mosaic  ops.chunk_o.mosaic_bwd.chunk_o_bwd_mosaic (the same; K, V <= 128)
   wy           ops.wy.pallas_fwd.wy_pallas on the full op's sub-chunk grid
   walk         ops.chunk_h.pallas_fwd.chunk_h_pallas on it (w, u from the default WY kernel)
   walk_bwd     ops.chunk_h.pallas_bwd.chunk_h_bwd_pallas (reverse walk + epilogue; the forward's
@@ -186,11 +187,15 @@ class ChunkOFwdMosaic(ChunkOFwd):
         sizes.check(shape["K"], shape["V"], shape["M"])
 
     def sweep(self, shape, default):
-        # Narrower value programs and fewer slots: less SMEM, so more programs share an SM.
-        return [dict(block_v=bv, slots=slots) for bv in (64, 128, 256)
-                if bv <= shape["V"] and shape["V"] % bv == 0
-                for slots in range(1, shape["M"] + 1)
-                if (bv, slots) != (default.block_v, default.slots)]
+        # Programs walking 2-4 chunks (the next chunk's copies in flight), then narrower value
+        # programs and fewer slots: less SMEM, so more programs share an SM.
+        walks = [dict(chunks_per_program=n, slots=slots) for n in (2, 4)
+                 for slots in sorted({default.slots, min(2, shape["M"])})
+                 if (n, slots) != (default.chunks_per_program, default.slots)]
+        return walks + [dict(block_v=bv, slots=slots) for bv in (64, 128, 256)
+                        if bv <= shape["V"] and shape["V"] % bv == 0
+                        for slots in range(1, shape["M"] + 1)
+                        if (bv, slots) != (default.block_v, default.slots)]
 
 
 class ChunkOBwd(ChunkOFwd):
@@ -212,6 +217,35 @@ class ChunkOBwd(ChunkOFwd):
                for split in (True, False) for warps in (4, 8) for stages in (1, 2, 3)]
         out += [dict(block_v=64), dict(block_k=64), dict(block_k=64, block_v=64)]
         return out
+
+
+class ChunkOBwdMosaic(ChunkOBwd):
+    """The Mosaic GPU backward (16-bit, chunk 64, K and V multiples of 64 up to 128)."""
+
+    def inputs(self, problems):
+        p = problems[0]
+        if (p.q.dtype.itemsize != 2 or p.chunk_size != 64 or p.shape["K"] % 64
+                or p.shape["V"] % 64 or max(p.shape["K"], p.shape["V"]) > 128):
+            raise ValueError("chunk_o_bwd_mosaic takes 16-bit inputs, --chunk 64 and K, V "
+                             "multiples of 64 up to 128")
+        return super().inputs(problems)
+
+    def default(self, shape, p):
+        from gdp_jax.ops.chunk_o import mosaic_bwd
+        return mosaic_bwd.default_block_sizes(shape["K"], shape["V"], shape["M"])
+
+    def call(self, sizes, options, shape, p, interpret):
+        from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
+        kw = dict(scale=shape["K"] ** -0.5, chunk_size=p.chunk_size, num_householder=shape["M"])
+        return lambda q, k, v, h, g, runs, do: chunk_o_bwd_mosaic(
+            q, k, v, h, g, runs, do, interpret=interpret, block_sizes=sizes, **kw)
+
+    def check(self, sizes, shape):
+        sizes.check()
+
+    def sweep(self, shape, default):
+        return [dict(chunks_per_program=n) for n in (2, 3, 4)
+                if n != default.chunks_per_program]
 
 
 class Wy(Stage):
@@ -236,7 +270,9 @@ class Wy(Stage):
 
 
 class Walk(Wy):
-    options = dict(dot_dtype=None)      # None: the op's (the work dtype)
+    # dot_dtype None: the op's (the work dtype); every_chunk_too: also store h at every sub-chunk,
+    # as the op's backward wants it (compared on the first three outputs)
+    options = dict(dot_dtype=None, every_chunk_too=False)
 
     def inputs(self, problems):
         import jax
@@ -265,7 +301,8 @@ class Walk(Wy):
         return lambda k, w, u, gamma, runs: chunk_h_pallas(
             k, w, u, gamma, runs, None, chunk_size=grid["sub"], num_householder=1,
             subchunks=grid["subchunks"], h_dtype=grid["work_dtype"], v_new_dtype=p.v.dtype,
-            dot_dtype=dot, interpret=interpret, block_sizes=sizes)
+            dot_dtype=dot, every_chunk_too=bool(options.get("every_chunk_too")),
+            interpret=interpret, block_sizes=sizes)
 
     def sweep(self, shape, default):
         out = [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64) for w in (2, 4, 8)]
@@ -378,7 +415,8 @@ class WyBwd(Wy):
         return out
 
 
-STAGES = dict(chunk_o_fwd=ChunkOFwd, chunk_o_fwd_mosaic=ChunkOFwdMosaic, chunk_o_bwd=ChunkOBwd, wy=Wy, walk=Walk, walk_bwd=WalkBwd,
+STAGES = dict(chunk_o_fwd=ChunkOFwd, chunk_o_fwd_mosaic=ChunkOFwdMosaic, chunk_o_bwd=ChunkOBwd,
+              chunk_o_bwd_mosaic=ChunkOBwdMosaic, wy=Wy, walk=Walk, walk_bwd=WalkBwd,
               wy_bwd=WyBwd)
 
 

@@ -14,7 +14,6 @@ stage's BlockSizes fields, default and sweep):
   chunk_o_fwd_mosaic  ops.chunk_o.mosaic_fwd.chunk_o_fwd_mosaic (the same operands; 16-bit,
                --chunk 64; interpreted by Mosaic GPU's interpreter on a CPU)
   chunk_o_bwd  ops.chunk_o.pallas_bwd.chunk_o_bwd_pallas (q, k, v, h, g, runs, do)
-  chunk_o_bwd_mosaic  ops.chunk_o.mosaic_bwd.chunk_o_bwd_mosaic (the same; K, V <= 128)
   wy           ops.wy.pallas_fwd.wy_pallas on the full op's sub-chunk grid
   walk         ops.chunk_h.pallas_fwd.chunk_h_pallas on it (w, u from the default WY kernel)
   walk_bwd     ops.chunk_h.pallas_bwd.chunk_h_bwd_pallas (reverse walk + epilogue; the forward's
@@ -46,6 +45,7 @@ import traceback
 
 
 from common import (HEADLINE_SHAPE, SHAPE_SETS, HEADLINE, GpuMonitor, JaxRunner, Phases,
+                    estimate_call_s,
                     add_dtype_arg, add_timing_args, copy_bandwidth, floor_ms, fmt, log,
                     make_problems, nbytes, on_cpu, parse_shapes, print_table, relative_errors,
                     run_meta, shape_label, shape_sets_epilog, short_exc, sub_grid_inputs,
@@ -187,15 +187,11 @@ class ChunkOFwdMosaic(ChunkOFwd):
         sizes.check(shape["K"], shape["V"], shape["M"])
 
     def sweep(self, shape, default):
-        # Programs walking 2-4 chunks (the next chunk's copies in flight), then narrower value
-        # programs and fewer slots: less SMEM, so more programs share an SM.
-        walks = [dict(chunks_per_program=n, slots=slots) for n in (2, 4)
-                 for slots in sorted({default.slots, min(2, shape["M"])})
-                 if (n, slots) != (default.chunks_per_program, default.slots)]
-        return walks + [dict(block_v=bv, slots=slots) for bv in (64, 128, 256)
-                        if bv <= shape["V"] and shape["V"] % bv == 0
-                        for slots in range(1, shape["M"] + 1)
-                        if (bv, slots) != (default.block_v, default.slots)]
+        # Narrower value programs and fewer slots: less SMEM, so more programs share an SM.
+        return [dict(block_v=bv, slots=slots) for bv in (64, 128, 256)
+                if bv <= shape["V"] and shape["V"] % bv == 0
+                for slots in range(1, shape["M"] + 1)
+                if (bv, slots) != (default.block_v, default.slots)]
 
 
 class ChunkOBwd(ChunkOFwd):
@@ -217,35 +213,6 @@ class ChunkOBwd(ChunkOFwd):
                for split in (True, False) for warps in (4, 8) for stages in (1, 2, 3)]
         out += [dict(block_v=64), dict(block_k=64), dict(block_k=64, block_v=64)]
         return out
-
-
-class ChunkOBwdMosaic(ChunkOBwd):
-    """The Mosaic GPU backward (16-bit, chunk 64, K and V multiples of 64 up to 128)."""
-
-    def inputs(self, problems):
-        p = problems[0]
-        if (p.q.dtype.itemsize != 2 or p.chunk_size != 64 or p.shape["K"] % 64
-                or p.shape["V"] % 64 or max(p.shape["K"], p.shape["V"]) > 128):
-            raise ValueError("chunk_o_bwd_mosaic takes 16-bit inputs, --chunk 64 and K, V "
-                             "multiples of 64 up to 128")
-        return super().inputs(problems)
-
-    def default(self, shape, p):
-        from gdp_jax.ops.chunk_o import mosaic_bwd
-        return mosaic_bwd.default_block_sizes(shape["K"], shape["V"], shape["M"])
-
-    def call(self, sizes, options, shape, p, interpret):
-        from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
-        kw = dict(scale=shape["K"] ** -0.5, chunk_size=p.chunk_size, num_householder=shape["M"])
-        return lambda q, k, v, h, g, runs, do: chunk_o_bwd_mosaic(
-            q, k, v, h, g, runs, do, interpret=interpret, block_sizes=sizes, **kw)
-
-    def check(self, sizes, shape):
-        sizes.check()
-
-    def sweep(self, shape, default):
-        return [dict(chunks_per_program=n) for n in (2, 3, 4)
-                if n != default.chunks_per_program]
 
 
 class Wy(Stage):
@@ -416,8 +383,7 @@ class WyBwd(Wy):
 
 
 STAGES = dict(chunk_o_fwd=ChunkOFwd, chunk_o_fwd_mosaic=ChunkOFwdMosaic, chunk_o_bwd=ChunkOBwd,
-              chunk_o_bwd_mosaic=ChunkOBwdMosaic, wy=Wy, walk=Walk, walk_bwd=WalkBwd,
-              wy_bwd=WyBwd)
+              wy=Wy, walk=Walk, walk_bwd=WalkBwd, wy_bwd=WyBwd)
 
 
 def make_sizes(stage, default, overrides):
@@ -592,7 +558,8 @@ def run_configs(stage, plan, default, sets, shp, p0, args, phases, timing, bandw
             row["ok"] = row["finite"] and row["relerr"] <= args.max_err
             del out
             ns = len(sets)
-            row["n"] = max(ns, min(args.max_iters, int(timing["target_s"] * 1e3 / max(runner.loop(ns), 1e-4)))
+            per_call_ms = max(estimate_call_s(runner, ns) * 1e3, 1e-4)
+            row["n"] = max(ns, min(args.max_iters, int(timing["target_s"] * 1e3 / per_call_ms))
                            // ns * ns)
             live[name] = runner
             log(f"  {name:32s} built in {row['first_call_s']:.1f} s; rel diff from default "

@@ -20,9 +20,6 @@ here.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -35,164 +32,113 @@ from gdp_jax._src.pallas import LN2
 from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_weights, stream_operands
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Launch parameters; ``default_block_sizes`` picks them per shape."""
-    chunks_per_program: int = 1   # consecutive chunks one program walks, the next one's copies
-                                  # in flight during this one's products
-
-    def check(self) -> None:
-        if not isinstance(self.chunks_per_program, int) or self.chunks_per_program < 1:
-            raise ValueError(f"chunks_per_program must be a positive int; got "
-                             f"{self.chunks_per_program!r}")
-
-
-def default_block_sizes(key_dim: int, value_dim: int, num_householder: int) -> BlockSizes:
-    """One chunk per program (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU")."""
-    del key_dim, value_dim, num_householder
-    return BlockSizes()
-
-
-def _kernel(*refs, scale: float, tokens: int, num_chunks: int, num_householder: int, heads: int,
-            has_g: bool, has_segments: bool, sizes: BlockSizes, interpret: bool, scratch):
-    m, bt, n = num_householder, CHUNK_SIZE, sizes.chunks_per_program
+def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, has_g: bool,
+            has_segments: bool, interpret: bool, scratch):
+    m, bt = num_householder, CHUNK_SIZE
     q_g, k_g, v_g, h_g, do_g = refs[:5]
     g_g = refs[5] if has_g else None
     sr_g = refs[5 + has_g] if has_segments else None
     dq_g, dk_g, dv_g, dh_g, dg_g = refs[-5:]
     (q_s, do_s, h_s, k_s, v_s, wdo_s, s_s, da_s, dh_s, dk_s, dv_s, g_s, sr_s, dg_s,
      in_bar, kv_bar) = scratch
-    hd, group, b = (lax.axis_index(n_) for n_ in ("head", "chunk", "batch"))
-    rows = lambda c: pl.ds(c * bt, bt)
-    # The program's i-th chunk; where n does not divide the chunks, the last program repeats the
-    # last chunk (the same values written twice) rather than branch around its copies.
-    chunk = lambda i: jnp.minimum(group * n + i, num_chunks - 1)
-    uses = n * m                                    # Householder copies read, in order
+    hd, c, b = (lax.axis_index(n) for n in ("head", "chunk", "batch"))
+    rows = pl.ds(c * bt, bt)
+
+    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
+    plgpu.copy_gmem_to_smem(do_g.at[b, rows, hd], do_s, in_bar.at[1])
+    plgpu.copy_gmem_to_smem(h_g.at[b, c, hd], h_s, in_bar.at[2])
     g_copies = (g_s.at[0], g_s.at[1]) if has_g else None      # read per row, per column
+    if has_g:
+        for i, g_copy in enumerate(g_copies):
+            plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_copy, in_bar.at[3 + i])
+    if has_segments:
+        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[5])
 
-    def load_q(c):
-        plgpu.copy_gmem_to_smem(q_g.at[b, rows(c), hd], q_s, in_bar.at[0])
+    def load_k(copy):
+        plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s, kv_bar.at[0])
 
-    def load_do(c):
-        plgpu.copy_gmem_to_smem(do_g.at[b, rows(c), hd], do_s, in_bar.at[1])
-
-    def load_h(c):
-        plgpu.copy_gmem_to_smem(h_g.at[b, c, hd], h_s, in_bar.at[2])
-
-    def load_weights(c):                            # g (twice) and the segment start rows
-        if has_g:
-            for j, g_copy in enumerate(g_copies):
-                plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows(c)], g_copy, in_bar.at[3 + j])
-        if has_segments:
-            plgpu.copy_gmem_to_smem(sr_g.at[b, rows(c)], sr_s, in_bar.at[5])
-
-    def load_k(use):                                # use u: copy u % M of chunk u // M
-        i, copy = divmod(use, m)
-        plgpu.copy_gmem_to_smem(k_g.at[b, rows(chunk(i)), copy * heads + hd], k_s, kv_bar.at[0])
-
-    def load_v(use):
-        i, copy = divmod(use, m)
-        plgpu.copy_gmem_to_smem(v_g.at[b, rows(chunk(i)), copy * heads + hd], v_s, kv_bar.at[1])
-
-    load_q(chunk(0))
-    load_do(chunk(0))
-    load_h(chunk(0))
-    load_weights(chunk(0))
+    def load_v(copy):
+        plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd], v_s, kv_bar.at[1])
     load_k(0)
     load_v(0)
 
-    for i in range(n):
-        c, more = chunk(i), i + 1 < n
-        crows = rows(c)
-        w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[3], in_bar.at[4]),
-                          sr_s if has_segments else None, in_bar.at[5], interpret)
-        pair_mask, pair_weight, row_weight = w.pair_mask, w.pair_weight, w.row_weight
-        t_ids, s_ids = w.ids
-        below_diagonal = pair_mask & (s_ids < t_ids)
+    w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[3], in_bar.at[4]),
+                      sr_s if has_segments else None, in_bar.at[5], interpret)
+    pair_mask, pair_weight, row_weight = w.pair_mask, w.pair_weight, w.row_weight
+    t_ids, s_ids = w.ids
+    below_diagonal = pair_mask & (s_ids < t_ids)
 
-        def weigh(x):                               # P ⊙ x
-            return x * pair_weight if has_g else jnp.where(pair_mask, x, 0.0)
+    def weigh(x):                                   # P ⊙ x
+        return x * pair_weight if has_g else jnp.where(pair_mask, x, 0.0)
 
-        plgpu.barrier_wait(in_bar.at[0])
-        plgpu.barrier_wait(in_bar.at[1])
-        plgpu.barrier_wait(in_bar.at[2])
-        do = mg.tile(do_s, interpret).astype(jnp.float32)                   # [BT, V]
-        row_scale = scale if row_weight is None else scale * row_weight
-        row_scale_tile = (row_scale if row_weight is None
-                          else mg.broadcast_rows(row_scale, do.shape))
-        wdo_s[...] = (do * row_scale_tile).astype(wdo_s.dtype)
+    plgpu.barrier_wait(in_bar.at[0])
+    plgpu.barrier_wait(in_bar.at[1])
+    plgpu.barrier_wait(in_bar.at[2])
+    do = mg.tile(do_s, interpret).astype(jnp.float32)                       # [BT, V]
+    row_scale = scale if row_weight is None else scale * row_weight
+    row_scale_tile = (row_scale if row_weight is None
+                      else mg.broadcast_rows(row_scale, do.shape))
+    wdo_s[...] = (do * row_scale_tile).astype(wdo_s.dtype)
+    plgpu.commit_smem()
+
+    dh_s[...] = mg.dot_tn(q_s, wdo_s, interpret).astype(dh_s.dtype)        # [K, V]
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dh_s, dh_g.at[b, c, hd])
+
+    dg_row = dg_col = None
+    if has_g:
+        state = mg.dot(q_s, h_s, interpret)                                 # [BT, V]
+        dg_row = jnp.sum(state * do, axis=1) * row_scale
+
+    def dq_body(mma):
+        dg_row_, dg_col_ = dg_row, dg_col
+        mma(wdo_s, h_s, transpose_b=True)
+        for copy in range(m):
+            plgpu.barrier_wait(kv_bar.at[0])
+            plgpu.barrier_wait(kv_bar.at[1])
+            # The next copy's k and v load as soon as their tiles are read (every product
+            # waits), so each copy overlaps the products that follow the last read.
+            score = weigh(mg.dot_nt(q_s, k_s, interpret))                   # S_m [BT, BT]
+            dpv = mg.dot_nt(do_s, v_s, interpret)                            # [BT, BT]
+            if copy + 1 < m:
+                load_v(copy + 1)
+            d_score = weigh(scale * dpv)                                     # dA_m
+            s_s[...] = score.astype(s_s.dtype)
+            da_s[...] = d_score.astype(da_s.dtype)
+            plgpu.commit_smem()
+            mma(da_s, k_s)
+            if copy + 1 < m:
+                load_k(copy + 1)
+            plgpu.wait_smem_to_gmem(0)          # the previous copy's dk, dv have left SMEM
+            dv_s[...] = (scale * mg.dot_tn(s_s, do_s, interpret)).astype(dv_s.dtype)
+            dk_s[...] = mg.dot_tn(da_s, q_s, interpret).astype(dk_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dv_s, dv_g.at[b, rows, copy * heads + hd])
+            plgpu.copy_smem_to_gmem(dk_s, dk_g.at[b, rows, copy * heads + hd])
+            if has_g:
+                z = jnp.where(below_diagonal, score * (scale * dpv), 0.0)
+                dg_row_ = dg_row_ + jnp.sum(z, axis=1)
+                col = jnp.sum(z, axis=0)
+                dg_col_ = col if dg_col_ is None else dg_col_ + col
+        return dg_row_, dg_col_
+
+    dq, (dg_row, dg_col) = mg.accumulate((bt, q_s.shape[1]), dq_body, interpret,
+                                         with_aux=True)                     # dq [BT, K]
+    plgpu.wait_smem_to_gmem(0)                  # dh, dk, dv have left SMEM
+    dk_s[...] = dq.astype(dk_s.dtype)          # dk's tile is free: dq leaves through it
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dk_s, dq_g.at[b, rows, hd])
+    if has_g:
+        dg_s.at[0][...] = LN2 * dg_row
+        dg_s.at[1][...] = LN2 * dg_col
         plgpu.commit_smem()
-
-        dh_s[...] = mg.dot_tn(q_s, wdo_s, interpret).astype(dh_s.dtype)    # [K, V]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dh_s, dh_g.at[b, c, hd])
-
-        dg_row = dg_col = None
-        if has_g:
-            state = mg.dot(q_s, h_s, interpret)                             # [BT, V]
-            dg_row = jnp.sum(state * do, axis=1) * row_scale
-
-        def dq_body(mma, i=i, more=more, crows=crows, weigh=weigh, below_diagonal=below_diagonal,
-                    dg_row=dg_row, dg_col=dg_col):
-            mma(wdo_s, h_s, transpose_b=True)
-            if more:                                # h's last read
-                load_h(chunk(i + 1))
-            for copy in range(m):
-                use, last_copy = i * m + copy, copy == m - 1
-                plgpu.barrier_wait(kv_bar.at[0])
-                plgpu.barrier_wait(kv_bar.at[1])
-                # The next copy's k and v load as soon as their tiles are read (every product
-                # waits), so each copy overlaps the products that follow the last read.
-                score = weigh(mg.dot_nt(q_s, k_s, interpret))               # S_m [BT, BT]
-                dpv = mg.dot_nt(do_s, v_s, interpret)                        # [BT, BT]
-                if use + 1 < uses:
-                    load_v(use + 1)
-                d_score = weigh(scale * dpv)                                 # dA_m
-                s_s[...] = score.astype(s_s.dtype)
-                da_s[...] = d_score.astype(da_s.dtype)
-                plgpu.commit_smem()
-                if more and copy == 0:              # every thread's reads of g and the start rows
-                    load_weights(chunk(i + 1))      # are behind the stores commit_smem waited for
-                mma(da_s, k_s)
-                if use + 1 < uses:
-                    load_k(use + 1)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dk, dv left SMEM
-                dv_s[...] = (scale * mg.dot_tn(s_s, do_s, interpret)).astype(dv_s.dtype)
-                if more and last_copy:              # do's last read
-                    load_do(chunk(i + 1))
-                dk_s[...] = mg.dot_tn(da_s, q_s, interpret).astype(dk_s.dtype)
-                if more and last_copy:              # q's last read
-                    load_q(chunk(i + 1))
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dv_s, dv_g.at[b, crows, copy * heads + hd])
-                plgpu.copy_smem_to_gmem(dk_s, dk_g.at[b, crows, copy * heads + hd])
-                if has_g:
-                    z = jnp.where(below_diagonal, score * (scale * dpv), 0.0)
-                    dg_row = dg_row + jnp.sum(z, axis=1)
-                    col = jnp.sum(z, axis=0)
-                    dg_col = col if dg_col is None else dg_col + col
-            return dg_row, dg_col
-
-        dq, (dg_row, dg_col) = mg.accumulate((bt, q_s.shape[1]), dq_body, interpret,
-                                             with_aux=True)                 # dq [BT, K]
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # dh, dk, dv have left SMEM
-        dk_s[...] = dq.astype(dk_s.dtype)          # dk's tile is free: dq leaves through it
-        if has_g:
-            dg_s.at[0][...] = LN2 * dg_row
-            dg_s.at[1][...] = LN2 * dg_col
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dk_s, dq_g.at[b, crows, hd])
-        if has_g:
-            plgpu.copy_smem_to_gmem(dg_s.at[0], dg_g.at[0, b, hd, crows])
-            plgpu.copy_smem_to_gmem(dg_s.at[1], dg_g.at[1, b, hd, crows])
-        if more:                                    # the next chunk writes dh, dk and dg's tiles
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.copy_smem_to_gmem(dg_s.at[0], dg_g.at[0, b, hd, rows])
+        plgpu.copy_smem_to_gmem(dg_s.at[1], dg_g.at[1, b, hd, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
 def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int,
-                       num_householder: int, interpret: bool = False,
-                       block_sizes: Optional[BlockSizes] = None):
+                       num_householder: int, interpret: bool = False):
     """(dq, dk, dv, dh, dg) for inputs ``dispatch.chunk_o_backward_implementation`` routes here,
     K and V padded to multiples of 64: dq, dk, dv in q's, k's, v's dtype, dh in h's, dg [B, T, H]
     float32 or None without g. Arguments as ``chunk_o_fwd_mosaic``'s, and do [B, T, H, V]."""
@@ -201,8 +147,6 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     batch, tokens, heads, key_dim = q.shape
     value_dim, m, num_chunks = v.shape[-1], num_householder, h.shape[1]
     padded_tokens = num_chunks * chunk_size
-    sizes = block_sizes or default_block_sizes(key_dim, value_dim, m)
-    sizes.check()
     operands = stream_operands(q, k, v, h, g, runs, do.astype(v.dtype), num_householder=m,
                                chunk_size=chunk_size)
 
@@ -230,13 +174,11 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     def body(*refs):
         n = len(refs) - len(scratch)
         return _kernel(*refs[:n], scratch=refs[n:], scale=scale, tokens=tokens,
-                       num_chunks=num_chunks, num_householder=m, heads=heads,
-                       has_g=g is not None, has_segments=runs is not None, sizes=sizes,
-                       interpret=interpret)
+                       num_householder=m, heads=heads, has_g=g is not None,
+                       has_segments=runs is not None, interpret=interpret)
 
     call = mg.kernel(body, out_type=out_type, scratch_types=scratch,
-                     grid=(heads, -(-num_chunks // sizes.chunks_per_program), batch),
-                     grid_names=("head", "chunk", "batch"),
+                     grid=(heads, num_chunks, batch), grid_names=("head", "chunk", "batch"),
                      interpret=interpret)
     dq, dk, dv, dh, dg_parts = call(*operands)
     dk = dk.reshape(batch, padded_tokens * m, heads, key_dim)

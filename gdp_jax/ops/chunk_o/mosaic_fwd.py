@@ -1,7 +1,7 @@
 """Pallas kernel (Mosaic GPU lowering): the forward of chunk_gdp_fwd_o.
 
-The same sum as ``pallas_fwd`` (SPEC's chunked form), one program per (value block, head, group
-of ``BlockSizes.chunks_per_program`` consecutive chunks, batch), one warpgroup each:
+The same sum as ``pallas_fwd`` (SPEC's chunked form), one program per (value block, head, chunk,
+batch) tile, one warpgroup each:
 
     o[t] = scale * ( [same(t, c0)] 2^g[t] q[t]·h[c]
                      + sum_{s in [c0, t], same(s, t)} sum_{m < M} 2^(g[t]-g[s])
@@ -10,10 +10,7 @@ of ``BlockSizes.chunks_per_program`` consecutive chunks, batch), one warpgroup e
 Data movement is explicit: TMA copies bring the q tile, g, the segment start rows, the [K, BV]
 state tile and each Householder copy's k and v tiles into swizzled SMEM, each on its own barrier;
 with S slots (``BlockSizes.slots``) copy m+S's k loads into copy m's slot once copy m's scores
-are made, its v once copy m's product with v is. A program walking several chunks counts the
-copies on across them and issues the next chunk's q, h, g and start rows as soon as this chunk's
-last read of each is done (q·h first, then the copies), so the next chunk's loads are in flight
-during this chunk's products; o then leaves through its own tile.
+are made, its v once copy m's product with v is.
 Per copy, wgmma makes the scores q k_m^T (k_m as a transposed SMEM view), the registers weigh them
 (causal and segment masks, decays), the weighted tile goes back to SMEM as the left operand of the
 wgmma that adds it times v_m into the output accumulator. The state term q·h is a second
@@ -51,8 +48,6 @@ class BlockSizes:
     """Launch parameters; ``default_block_sizes`` picks them per shape."""
     block_v: int             # value columns of one program's h / v / o tiles
     slots: int = 2           # SMEM slots for the Householder copies' k and v tiles
-    chunks_per_program: int = 1   # consecutive chunks one program walks, the next one's copies
-                                  # in flight during this one's products (adds an o tile)
 
     def check(self, key_dim: int, value_dim: int, num_householder: int) -> None:
         """Raises ValueError if these sizes do not tile a [K, V] problem."""
@@ -61,9 +56,6 @@ class BlockSizes:
                              f"got {self.block_v}")
         if not 1 <= self.slots <= max(num_householder, 1):
             raise ValueError(f"slots must be in [1, M = {num_householder}]; got {self.slots}")
-        if not isinstance(self.chunks_per_program, int) or self.chunks_per_program < 1:
-            raise ValueError(f"chunks_per_program must be a positive int; got "
-                             f"{self.chunks_per_program!r}")
         if key_dim % TILE or key_dim > MAX_WIDTH:
             raise ValueError(f"K must be a multiple of {TILE} up to {MAX_WIDTH}; got {key_dim}")
 
@@ -150,104 +142,67 @@ def stream_operands(q, k, v, h, g, runs, *value_width, num_householder: int, chu
     return operands
 
 
-def _kernel(*refs, scale: float, tokens: int, num_chunks: int, num_householder: int, heads: int,
+def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
             has_g: bool, has_segments: bool, sizes: BlockSizes, interpret: bool, scratch):
     m, bt, slots, bv = num_householder, CHUNK_SIZE, sizes.slots, sizes.block_v
-    n = sizes.chunks_per_program
     q_g, k_g, v_g, h_g = refs[:4]
     g_g = refs[4] if has_g else None
     sr_g = refs[4 + has_g] if has_segments else None
     o_g = refs[-1]
-    (q_s, k_s, v_s, h_s, s_s, g_s, sr_s, in_bar, k_bar, v_bar), o_tile = scratch[:10], scratch[10:]
-    vb, hd, group, b = (lax.axis_index(n_) for n_ in ("value", "head", "chunk", "batch"))
+    (q_s, k_s, v_s, h_s, s_s, g_s, sr_s, in_bar, k_bar, v_bar) = scratch  # g_s: [2, BT]
+    vb, hd, c, b = (lax.axis_index(n) for n in ("value", "head", "chunk", "batch"))
+    rows = pl.ds(c * bt, bt)
     cols = pl.ds(vb * bv, bv)
-    rows = lambda c: pl.ds(c * bt, bt)
-    # The program's i-th chunk; where n does not divide the chunks, the last program repeats the
-    # last chunk (the same values written twice) rather than branch around its copies.
-    chunk = lambda i: jnp.minimum(group * n + i, num_chunks - 1)
-    uses = n * m                              # Householder copies this program reads, in order
+
+    def load_k(copy, slot):
+        plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s.at[slot], k_bar.at[slot])
+
+    def load_v(copy, slot):
+        plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd, cols], v_s.at[slot],
+                                v_bar.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
+    for copy in range(slots):
+        load_k(copy, copy)
+        load_v(copy, copy)
+    plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, :, cols], h_s, in_bar.at[1])
     g_copies = (g_s.at[0], g_s.at[1]) if has_g else None
+    if has_g:
+        for i, g_copy in enumerate(g_copies):
+            plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_copy, in_bar.at[2 + i])
+    if has_segments:
+        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[4])
 
-    def load_k(use):                          # use u: copy u % M of chunk u // M, slot u % S
-        i, copy = divmod(use, m)
-        plgpu.copy_gmem_to_smem(k_g.at[b, rows(chunk(i)), copy * heads + hd], k_s.at[use % slots],
-                                k_bar.at[use % slots])
+    w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[2], in_bar.at[3]),
+                      sr_s if has_segments else None, in_bar.at[4], interpret)
+    pair_mask, pair_weight, row_weight = w.pair_mask, w.pair_weight, w.row_weight
 
-    def load_v(use):
-        i, copy = divmod(use, m)
-        plgpu.copy_gmem_to_smem(v_g.at[b, rows(chunk(i)), copy * heads + hd, cols],
-                                v_s.at[use % slots], v_bar.at[use % slots])
+    plgpu.barrier_wait(in_bar.at[0])
 
-    def load_q(c):
-        plgpu.copy_gmem_to_smem(q_g.at[b, rows(c), hd], q_s, in_bar.at[0])
+    def copies(mma):                          # sum_m (P ⊙ q k_m^T) @ v_m in one accumulator
+        for copy in range(m):
+            slot = copy % slots
+            plgpu.barrier_wait(k_bar.at[slot])
+            score = mg.dot_nt(q_s, k_s.at[slot], interpret)                 # [BT, BT] f32
+            if copy + slots < m:              # k's slot is read (the product waited)
+                load_k(copy + slots, slot)
+            score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
+            s_s[...] = score.astype(s_s.dtype)  # free: the last mma that read it waited
+            plgpu.commit_smem()               # the register stores, visible to wgmma's reads
+            plgpu.barrier_wait(v_bar.at[slot])
+            mma(s_s, v_s.at[slot])
+            if copy + slots < m:              # v's slot is read (mma waited)
+                load_v(copy + slots, slot)
+    intra = mg.accumulate((bt, bv), copies, interpret)                      # [BT, BV] f32
 
-    def load_h(c):
-        plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, :, cols], h_s, in_bar.at[1])
-
-    def load_weights(c):                      # g (twice) and the segment start rows
-        if has_g:
-            for j, g_copy in enumerate(g_copies):
-                plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows(c)], g_copy, in_bar.at[2 + j])
-        if has_segments:
-            plgpu.copy_gmem_to_smem(sr_g.at[b, rows(c)], sr_s, in_bar.at[4])
-
-    load_q(chunk(0))
-    for use in range(min(slots, uses)):
-        load_k(use)
-        load_v(use)
-    load_h(chunk(0))
-    load_weights(chunk(0))
-
-    for i in range(n):
-        c, more = chunk(i), i + 1 < n
-        w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[2], in_bar.at[3]),
-                          sr_s if has_segments else None, in_bar.at[4], interpret)
-        pair_mask, pair_weight, row_weight = w.pair_mask, w.pair_weight, w.row_weight
-
-        plgpu.barrier_wait(in_bar.at[0])
-        if n == 1:                            # one chunk: the products in the order copies arrive
-            state = None
-        else:                                 # q·h first: h's tile is free for the next chunk's
-            plgpu.barrier_wait(in_bar.at[1])
-            state = mg.dot(q_s, h_s, interpret)                             # [BT, BV] f32
-            if more:
-                load_h(chunk(i + 1))
-
-        def copies(mma):                      # sum_m (P ⊙ q k_m^T) @ v_m in one accumulator
-            for copy in range(m):
-                use = i * m + copy
-                slot = use % slots
-                plgpu.barrier_wait(k_bar.at[slot])
-                score = mg.dot_nt(q_s, k_s.at[slot], interpret)             # [BT, BT] f32
-                if use + slots < uses:        # k's slot is read (the product waited)
-                    load_k(use + slots)
-                if more and copy == m - 1:    # q's last read
-                    load_q(chunk(i + 1))
-                score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
-                s_s[...] = score.astype(s_s.dtype)  # free: the last mma that read it waited
-                plgpu.commit_smem()           # the register stores, visible to wgmma's reads
-                if more and copy == 0:        # every thread's reads of g and the start rows are
-                    load_weights(chunk(i + 1))  # behind the stores commit_smem waited for
-                plgpu.barrier_wait(v_bar.at[slot])
-                mma(s_s, v_s.at[slot])
-                if use + slots < uses:        # v's slot is read (mma waited)
-                    load_v(use + slots)
-        intra = mg.accumulate((bt, bv), copies, interpret)                  # [BT, BV] f32
-
-        if state is None:
-            plgpu.barrier_wait(in_bar.at[1])
-            state = mg.dot(q_s, h_s, interpret)
-        if row_weight is not None:
-            state = state * mg.broadcast_rows(row_weight, state.shape)
-        if o_tile:                            # the previous chunk's o has left the tile
-            o_s = o_tile[0]
-            if i:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        else:                                 # every v copy is read: o leaves through slot 0
-            o_s = v_s.at[0]
-        o_s[...] = (scale * (state + intra)).astype(o_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, rows(c), hd, cols])
+    plgpu.barrier_wait(in_bar.at[1])
+    state = mg.dot(q_s, h_s, interpret)                                     # [BT, BV] f32
+    if row_weight is not None:
+        state = state * mg.broadcast_rows(row_weight, state.shape)
+    o_s = v_s.at[0]                           # every v copy is read: o leaves through slot 0
+    o_s[...] = (scale * (state + intra)).astype(o_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_g.at[b, rows, hd, cols])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -284,18 +239,15 @@ def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
         plgpu.Barrier(num_arrivals=1, num_barriers=sizes.slots),             # k slots
         plgpu.Barrier(num_arrivals=1, num_barriers=sizes.slots),             # v slots
     )
-    if sizes.chunks_per_program > 1:          # o's own tile: the v slots hold the next chunk's
-        scratch += (plgpu.SMEM((bt, bv), dtype, transforms=tiles),)
 
     def body(*refs):
         n = len(refs) - len(scratch)
         return _kernel(*refs[:n], scratch=refs[n:], scale=scale, tokens=tokens,
-                       num_chunks=num_chunks, num_householder=m, heads=heads, has_g=g is not None,
+                       num_householder=m, heads=heads, has_g=g is not None,
                        has_segments=runs is not None, sizes=sizes, interpret=interpret)
 
     call = mg.kernel(
         body, out_type=jax.ShapeDtypeStruct((batch, padded_tokens, heads, value_dim), v.dtype),
-        scratch_types=scratch,
-        grid=(value_dim // bv, heads, -(-num_chunks // sizes.chunks_per_program), batch),
+        scratch_types=scratch, grid=(value_dim // bv, heads, num_chunks, batch),
         grid_names=("value", "head", "chunk", "batch"), interpret=interpret)
     return call(*operands)[:, :tokens]

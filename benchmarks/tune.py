@@ -22,8 +22,10 @@ stage's BlockSizes fields, default and sweep):
 
 A config is ``name:field=value,...`` (``name:`` optional), fields of that stage's BlockSizes,
 applied as dataclasses.replace(default_block_sizes(...), **fields); values are ints, True/False,
-None, floats or strings. A few stages also take kernel options that are not launch sizes (walk,
-walk_bwd: dot_dtype; wy_bwd: operand_dtype, precision), given the same way. The default always
+None, floats or strings. A few stages also take kernel options that are not launch sizes (walk:
+dot_dtype, every_chunk_too; walk_bwd: dot_dtype; wy_bwd: operand_dtype, precision), given the
+same way; e.g. ``--stage walk --configs "one:every_chunk_too=1,num_stages=1;two:every_chunk_too=1,num_stages=2"``
+times the walk of the backward's forward with one and two stages. The default always
 runs first. Each config: jit, run on input set 0 and compare every output with the default's
 (largest relative Frobenius difference; over --max-err or non-finite marks it BAD), then time it.
 ``--rounds N`` alternates the configs within this process for N rounds (A/B: the same kernel

@@ -457,8 +457,8 @@ def estimate_call_s(runner, ns: int) -> float:
 
 
 def measure(runner, *, target_s, reps, max_iters, during=None):
-    """(median ms per call, info) over ``reps`` loops of N calls, N set from one estimating pass so
-    a loop lasts about ``target_s``. ``during``: a context manager entered around the timed loops
+    """(median ms per call, info) over ``reps`` loops of N calls, N set from two estimating loops
+    (``estimate_call_s``) so a loop lasts about ``target_s``. ``during``: a context manager entered around the timed loops
     only (after compiling and warming up), e.g. a GpuMonitor phase."""
     first = runner.warm()
     ns = len(runner.sets)

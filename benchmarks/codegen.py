@@ -3,6 +3,8 @@
 
     PYTHONPATH=. python benchmarks/codegen.py --triton /path/to/site-packages --out /tmp/cg
     PYTHONPATH=. python benchmarks/codegen.py --triton DIR --out /tmp/cg --case full
+    PYTHONPATH=. python benchmarks/codegen.py --triton DIR --out /tmp/cg --case full \
+        --shape "B=8,T=4096,H=16,K=128,M=3" --stages 1,2     # also every kernel at 1 and 2 stages
     PYTHONPATH=. python benchmarks/codegen.py --out /tmp/cg --variants M2,K256   # the Triton IR only
 
 1. Lowers through JAX's Pallas Triton lowering on CPU (``lowering_platforms=("cuda",)``; no GPU
@@ -12,7 +14,8 @@
    ``--case chunk_o_bwd``: its backward (ops.chunk_o.pallas_bwd) at BWD_VARIANTS (B=8 T=4096
    H=16 K=V=128 M=2); ``--case full``: every kernel of jax.grad of the full op
    (chunk_gated_delta_product, implementation="pallas") at B=8 T=4096 H=16 K=V=128 M=2, launch
-   parameters as the op picks them;
+   parameters as the op picks them (``--shape``: another shape; ``--stages``: each kernel also
+   compiled at those pipeline stage counts, rows NAME@sN);
 2. with ``--triton`` (a directory holding a separately installed ``triton`` package, e.g.
    ``pip install --target DIR triton``), compiles that IR for sm_90a and runs that Triton's
    bundled ptxas -v on the PTX (registers, spills, the C7512 "wgmma serialized" warning);
@@ -190,14 +193,16 @@ def capture_chunk_o(names, out_dir):
     return meta
 
 
-def capture_full_op(out_dir):
-    """Every kernel of the full op's forward and backward (bf16, B=8 T=4096 H=16 K=V=128 M=2)."""
+def capture_full_op(out_dir, shape=None):
+    """Every kernel of the full op's forward and backward (bf16; ``shape`` a dict with B, T, H, K,
+    V, M, default B=8 T=4096 H=16 K=V=128 M=2)."""
     import jax
     import jax.numpy as jnp
 
     import gdp_jax
 
-    B, T, H, K, V, M = 8, 4096, 16, 128, 128, 2
+    shape = shape or dict(B=8, T=4096, H=16, K=128, V=128, M=2)
+    B, T, H, K, V, M = (shape[c] for c in "BTHKVM")
     bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
     args = (sds((B, T, H, K), bf16), sds((B, T * M, H, K), bf16), sds((B, T * M, H, V), bf16),
             sds((B, T, H), jnp.float32), sds((B, T * M, H), bf16))
@@ -256,11 +261,14 @@ def capture_chunk_o_bwd(out_dir):
     return meta
 
 
-def compile_and_count(name, info, out_dir, triton_dir):
+def compile_and_count(name, info, out_dir, triton_dir, ir_name=None):
+    """Compiles out_dir/(ir_name or name).ttir at info's warps and stages; adds what ptxas and the
+    SASS say to info."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    kernel = triton.compile(os.path.join(out_dir, f"{name}.ttir"), target=GPUTarget("cuda", 90, 32),
+    kernel = triton.compile(os.path.join(out_dir, f"{ir_name or name}.ttir"),
+                            target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=info["num_warps"], num_stages=info["num_stages"]))
     ptx = os.path.join(out_dir, f"{name}.ptx")
     with open(ptx, "w") as fh:
@@ -299,6 +307,12 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--case", default="chunk_o", choices=["chunk_o", "chunk_o_bwd", "full"])
     p.add_argument("--variants", default=",".join(VARIANTS), help="chunk_o variants (--case chunk_o)")
+    p.add_argument("--shape", default=None,
+                   help="--case full: 'B=..,T=..,H=..,K=..[,V=..],M=..' (default B=8,T=4096,H=16,K=128,M=2)")
+    p.add_argument("--stages", default="",
+                   help="comma-separated pipeline stage counts to also compile every kernel at "
+                        "(rows NAME@sN; with --triton): shared memory and registers of 'num_stages' "
+                        "overrides without a GPU")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.case == "chunk_o":
@@ -306,7 +320,11 @@ def main(argv=None):
     elif args.case == "chunk_o_bwd":
         meta = capture_chunk_o_bwd(args.out)
     else:
-        meta = capture_full_op(args.out)
+        shape = None
+        if args.shape:
+            from common import parse_shapes
+            (shape,) = parse_shapes(args.shape)
+        meta = capture_full_op(args.out, shape)
     if args.triton is None:
         with open(os.path.join(args.out, "codegen.json"), "w") as fh:
             json.dump(meta, fh, indent=1)
@@ -315,7 +333,17 @@ def main(argv=None):
             print(f"{name:24} {r['num_warps']:5d} {r['num_stages']:6d}")
         return meta
     sys.path.insert(0, args.triton)
-    rows = {name: compile_and_count(name, info, args.out, args.triton) for name, info in meta.items()}
+    rows = {name: compile_and_count(name, dict(info), args.out, args.triton)
+            for name, info in meta.items()}
+    for stages in (int(x) for x in args.stages.split(",") if x):
+        for name, info in meta.items():
+            if stages != info["num_stages"]:
+                variant = dict(info, num_stages=stages)
+                try:
+                    rows[f"{name}@s{stages}"] = compile_and_count(f"{name}@s{stages}", variant,
+                                                                  args.out, args.triton, name)
+                except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
+                    print(f"{name}@s{stages}: {type(e).__name__}: {str(e)[:200]}")
     with open(os.path.join(args.out, "codegen.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
     print(f"{'kernel':24} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} {'smem B':>7} "

@@ -366,6 +366,28 @@ def test_tune_mosaic_stage(tmp_path):
     assert rows["bad"]["error"].startswith("does not fit") and "slots" in rows["bad"]["error"]
 
 
+def test_tune_walk_every_chunk_too_option(tmp_path, monkeypatch):
+    """The walk's every_chunk_too option reaches the kernel (and only the config that sets it) and
+    leaves the compared outputs equal to the default's."""
+    from gdp_jax.ops.chunk_h import pallas_fwd
+    seen, original = [], pallas_fwd.chunk_h_pallas
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["every_chunk_too"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_fwd, "chunk_h_pallas", recording)
+    out = tmp_path / "tune.json"
+    script("tune").main(["--stage", "walk", "--shapes", "B=1,T=40,H=1,K=32,V=16,M=2,segs=2",
+                         "--chunk", "16", "--configs", "every:every_chunk_too=1,num_stages=2",
+                         "--sets", "1", "--out", str(out), "--reps", "1", "--target-ms", "1", *COPY])
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    every = rows["every"]
+    assert every["ok"] and every["relerr"] == 0.0 and every["ms"] > 0, every
+    assert every["options"] == {"every_chunk_too": 1} and every["block_sizes"]["num_stages"] == 2
+    assert set(seen) == {False, True}
+
+
 def test_tune_ab_rounds_list_and_budget(capsys):
     tune = script("tune")
     result = tune.main(["--stage", "chunk_o_fwd", "--shapes", "B=1,T=32,H=1,K=16,V=16,M=1",

@@ -450,9 +450,10 @@ class TorchRunner:
 
 
 def estimate_call_s(runner, ns: int) -> float:
-    """Seconds per call from the faster of two short loops: the first loop of a process runs while
-    the GPU's clocks still ramp up from idle, and sized from it alone the first function timed got
-    loops of a few calls (N = 6 where 80 fit), which overstate its time by the dispatch latency."""
+    """Seconds per call from the faster of two short loops: a process's first loop can read many
+    times the call's time (one-time costs, clocks ramping up), and sized from it alone the first
+    function timed got loops of a few calls (N = 6 where 80 fit), which overstate its time by the
+    dispatch latency."""
     return min(runner.loop(ns), runner.loop(ns)) / 1e3
 
 

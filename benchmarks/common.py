@@ -459,8 +459,9 @@ def estimate_call_s(runner, ns: int) -> float:
 
 def measure(runner, *, target_s, reps, max_iters, during=None):
     """(median ms per call, info) over ``reps`` loops of N calls, N set from two estimating loops
-    (``estimate_call_s``) so a loop lasts about ``target_s``. ``during``: a context manager entered around the timed loops
-    only (after compiling and warming up), e.g. a GpuMonitor phase."""
+    (``estimate_call_s``) so a loop lasts about ``target_s``. ``during``: a context manager
+    entered around the timed loops only (after compiling and warming up), e.g. a GpuMonitor
+    phase."""
     first = runner.warm()
     ns = len(runner.sets)
     n = _pick_n(estimate_call_s(runner, ns), target_s, ns, max_iters)

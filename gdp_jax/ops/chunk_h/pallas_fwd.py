@@ -40,8 +40,7 @@ class BlockSizes:
 TWO_STAGE_STEP_BYTES = 2 * 64 * (2 * 128 + 64) * 2
 
 
-def default_block_sizes(key_dim: int, value_dim: int, rows_per_step: int, dot_dtype,
-                        every_chunk_too: bool = False) -> BlockSizes:
+def default_block_sizes(key_dim: int, value_dim: int, rows_per_step: int, dot_dtype) -> BlockSizes:
     """The walk's launch table (RESULTS.md, "State walk") for K, V (unpadded) and
     ``rows_per_step``, the rows of k, w and u one loop step reads (chunk_size * subchunks *
     num_householder).
@@ -49,14 +48,13 @@ def default_block_sizes(key_dim: int, value_dim: int, rows_per_step: int, dot_dt
     | case | choice | why |
     |---|---|---|
     | all | 64 value columns, 4 warps | fastest of the block_v x warps sweep |
-    | 16-bit dots, step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time, outputs bit-identical |
+    | 16-bit dots, step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time (0.56-0.86x also storing h at every sub-chunk), outputs bit-identical |
     | larger steps, float32 dots | 1 stage | 2 stages overflow shared memory (larger steps) or run 1.9x slower (float32 dots) |
-    | ``every_chunk_too`` (the backward's forward) | 1 stage | 2 stages not yet measured with the extra store |
     """
     itemsize = jnp.dtype(dot_dtype).itemsize
     block_v = min(tile_width(value_dim), 64)
     step_bytes = rows_per_step * (2 * tile_width(key_dim) + block_v) * itemsize
-    two = itemsize == 2 and step_bytes <= TWO_STAGE_STEP_BYTES and not every_chunk_too
+    two = itemsize == 2 and step_bytes <= TWO_STAGE_STEP_BYTES
     return BlockSizes(num_stages=2 if two else 1)
 
 
@@ -162,7 +160,7 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     f32 = jnp.float32
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size * subchunks * m,
-                                               dot_dtype, every_chunk_too)
+                                               dot_dtype)
     block_v = sizes.block_v or min(vp, 64)
     t_pad = tokens + pad_t
     key_stream = pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0))

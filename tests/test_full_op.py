@@ -162,6 +162,88 @@ def test_defaults_and_no_final_state():
     assert_close(o, p.ref["o"] * 0.3 * BASE.key_dim ** 0.5, tolerance("float32"))
 
 
+# use_qk_l2norm's undifferentiated forward: the WY kernel normalises k and returns the factors,
+# which the walk and chunk_o apply; q's factors reach chunk_o's outputs. Each chunk_o variant:
+# whole rows (float32, K 32; M = 3 at chunk 32, copy order "fused") and its K loop (16-bit,
+# chunk 64, K 128: 32-key steps at M = 2, the value-column loop at M = 3).
+# No segment ids: with them the op keeps the normalisation a separate step (dispatch.l2norm_fused).
+L2NORM_FORWARD_CASES = [
+    Case(77, 32, 16, 2, 16, segments=False),
+    Case(130, 16, 32, 3, 32, dtype="bfloat16", initial_state=False, segments=False),
+    Case(70, 128, 64, 2, 64, dtype="bfloat16", batch=1, segments=False),
+    Case(70, 100, 128, 3, 64, dtype="bfloat16", batch=1, gated=False, segments=False),
+]
+
+
+def _outside_kernels(jaxpr, primitive: str) -> int:
+    """How many ``primitive`` equations a jaxpr has outside pallas_call kernels (sub-jaxprs of
+    other equations included)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue
+        count += eqn.primitive.name == primitive
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    count += _outside_kernels(sub, primitive)
+    return count
+
+
+@pytest.mark.parametrize("case", L2NORM_FORWARD_CASES, ids=lambda c: c.id)
+def test_l2norm_forward_inside_the_kernels(case, monkeypatch):
+    """Raw q, k of varied norms: o and the final state against the recurrence on their
+    normalised values, and against the differentiated path's o (the normalisation a separate
+    step), within one rounding of the inputs' dtype. Outside the kernels the undifferentiated
+    jaxpr takes one rsqrt (q's factors; k's are the WY kernel's), the differentiated one two
+    (q and k normalised). The rule's program-count row is a speed threshold, lowered here so
+    that these small problems take the fused path."""
+    monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
+    p = build(case, qk_l2norm=True)
+
+    def op(q, k):
+        return gdp_jax.chunk_gated_delta_product(
+            q, k, p.v, p.g_raw, p.beta, initial_state=p.initial_state,
+            segment_ids=p.segment_ids, output_final_state=True, use_qk_l2norm=True,
+            chunk_size=case.chunk_size, implementation="interpret")
+
+    o, final_state = jax.jit(op)(p.q, p.k)
+    assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
+    assert_close(final_state, p.ref["final_state"], tolerance(case.dtype), "final_state")
+
+    o_composed, vjp = jax.vjp(op, p.q, p.k)
+    assert_all_close(dict(o=o, final_state=final_state),
+                     dict(o=o_composed[0], final_state=o_composed[1]), tolerance(case.dtype))
+    assert _outside_kernels(jax.make_jaxpr(op)(p.q, p.k).jaxpr, "rsqrt") == 1
+    assert _outside_kernels(jax.make_jaxpr(lambda q, k: jax.vjp(op, q, k)[0])(p.q, p.k).jaxpr,
+                            "rsqrt") == 2
+
+
+def test_l2norm_fused_rule(monkeypatch):
+    """dispatch.l2norm_fused's table: Triton kernels throughout, K padded to at most 128, no
+    segment ids, at least 128 walk programs; and the op follows it: q and k are normalised
+    outside the kernels (two rsqrt) with segment ids, or with too few walk programs (B * H *
+    value blocks of 64: here 2 * 2 * 1), and inside them (one, q's factors) once the threshold
+    is lowered to the problem's programs."""
+    fused = dispatch.l2norm_fused
+    assert fused("pallas", "pallas", 128, False, 256) and fused("interpret", "interpret", 100, False, 128)
+    assert not fused("pallas", "pallas", 129, False, 256)       # K padded to 256
+    assert not fused("pallas", "pallas", 128, True, 256)        # segment ids
+    assert not fused("pallas", "pallas", 128, False, 127)       # B1 H16 V128 has 32
+    assert not fused("xla", "xla", 64, False, 256) and not fused("pallas", "xla", 64, False, 256)
+    assert not fused("pallas", "mosaic", 64, False, 256)
+    p = build(Case(40, 32, 16, 2, 16), qk_l2norm=True)
+    rsqrts = lambda **kw: _outside_kernels(jax.make_jaxpr(functools.partial(
+        gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True, chunk_size=16,
+        implementation="interpret", **kw))(*p.full_args()).jaxpr, "rsqrt")
+    assert rsqrts(segment_ids=p.segment_ids) == 2 and rsqrts() == 2
+    monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 4)
+    assert rsqrts(segment_ids=p.segment_ids) == 2 and rsqrts() == 1
+    monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 5)
+    assert rsqrts() == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # Gradients against float64 autodiff of the recurrence.
 

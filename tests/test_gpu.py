@@ -374,6 +374,42 @@ def test_full_op(case, l2norm):
     assert_all_close(grads, {n: expected[n] for n in names}, gpu_tol(case.dtype))
 
 
+# use_qk_l2norm's undifferentiated forward (no segment ids: dispatch.l2norm_fused), the keys
+# normalised in the compiled WY kernel and the factors applied by the walk and chunk_o, for each
+# chunk_o variant: its K loop at K = 128 (M = 1: 64-key steps; M = 2: 32-key steps; M = 3: with
+# the value-column loop; K = 100 padded), whole rows (K = 64, four chunks a program; float32).
+L2NORM_FORWARD_CASES = [
+    Case(1000, 128, 128, 1, 64, dtype="float16", heads=4, segments=False),
+    Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4, segments=False),
+    Case(963, 100, 200, 3, 64, dtype="bfloat16", heads=4, segments=False),
+    Case(1000, 64, 64, 2, 64, dtype="bfloat16", heads=4, segments=False),
+    Case(333, 128, 64, 2, 64, heads=3, segments=False),
+]
+
+
+@pytest.mark.parametrize("case", L2NORM_FORWARD_CASES, ids=case_id)
+def test_full_op_l2norm_forward(case, monkeypatch):
+    """o and the final state of the undifferentiated op with use_qk_l2norm (raw q, k of varied
+    norms) against the recurrence on the normalised q, k, and against the differentiated
+    path's o, where the normalisation is its own step. The rule's program-count threshold (a
+    speed row) is lowered so that these problems take the fused path."""
+    monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
+    p = build(case, qk_l2norm=True)
+
+    def op(q, k):
+        return gdp_jax.chunk_gated_delta_product(
+            q, k, p.v, p.g_raw, p.beta, initial_state=p.initial_state,
+            segment_ids=p.segment_ids, output_final_state=True, use_qk_l2norm=True,
+            chunk_size=case.chunk_size, implementation="pallas")
+
+    o, final_state = jax.jit(op)(p.q, p.k)
+    composed = jax.jit(lambda q, k: jax.vjp(op, q, k)[0])(p.q, p.k)
+    assert_close(o, p.ref["o"], gpu_tol(case.dtype), "o")
+    assert_close(final_state, p.ref["final_state"], gpu_tol(case.dtype), "final_state")
+    assert_all_close(dict(o=o, final_state=final_state),
+                     dict(o=composed[0], final_state=composed[1]), gpu_tol(case.dtype))
+
+
 def test_long_row_stress():
     """One row of T = 65536 bf16 tokens (B = 1, H = 2, K = V = 128, M = 2) from
     cases.stress_problem: beta in (1.9, 2), gates in runs near 0 and down to -8. o on three

@@ -73,8 +73,14 @@ def stream_layout(x: jax.Array, padded_width: int, pad_tokens: int, num_househol
     return x.reshape(batch, positions // m + pad_tokens, m, heads, padded_width)
 
 
+def l2norm_factor(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
+    """(sum_d x_d^2 + eps)^(-1/2) over the last axis of x [..., D], float32 [...]: what
+    ``l2norm`` multiplies each row by."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1) + eps)
+
+
 def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
     """x / sqrt(sum(x^2) + eps) over the last axis, computed in float32, returned in x's dtype
     (flash-linear-attention's formula)."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return (x.astype(jnp.float32) * l2norm_factor(x, eps)[..., None]).astype(x.dtype)

@@ -13,6 +13,8 @@ walk's VJP kernels (``chunk_h.pallas_bwd``), then the WY stage's VJP (``wy.palla
 forward's inverses, or ``wy.xla.wy_bwd_xla`` for compiled float32 inputs), then the VJP of the
 expanded decays in jnp.
 Both grids give SPEC's h, v_new and final state. Stage 4 runs under chunk_o's own custom_vjp.
+use_qk_l2norm normalises q and k first (``ops.l2norm``), except in the undifferentiated forward
+on the Triton kernels, where the kernels apply the normalisation themselves (``_l2norm_op``).
 Which implementation and dtypes run is ``_src.dispatch``'s rule (docs/math.md has the math).
 """
 from __future__ import annotations
@@ -25,12 +27,12 @@ import jax.numpy as jnp
 
 from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
-from gdp_jax._src.layout import pad_state, tile_width
+from gdp_jax._src.layout import l2norm_factor, pad_state, tile_width
 from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas
 from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
 from gdp_jax.ops.chunk_h.xla import chunk_h_xla
-from gdp_jax.ops.chunk_o import chunk_o
+from gdp_jax.ops.chunk_o import chunk_o, chunk_o_scaled_forward
 from gdp_jax.ops.cumsum import chunk_local_log2_cumsum, expanded_log2_decays, sub_chunk_size
 from gdp_jax.ops.l2norm import l2norm
 from gdp_jax.ops.wy.pallas_bwd import wy_bwd_pallas
@@ -64,7 +66,11 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       segment_ids: [B, T] integer packing ids or None; a new segment (state restarted at zero)
         wherever the id changes. Not differentiable.
       use_qk_l2norm: L2-normalise q and k (per position, eps 1e-6) inside the op; the gradient
-        flows through the normalisation.
+        flows through the normalisation. Undifferentiated on the Triton kernels, where
+        ``dispatch.l2norm_fused`` takes it (K <= 128, no segment ids, B * H * ceil(V / 64) >=
+        128), the kernels apply the normalisation themselves and no normalised copy is written;
+        o then differs from the differentiated call's by about one rounding of the inputs'
+        dtype.
       chunk_size: power of two in [16, 128].
       implementation: "pallas", "xla", "interpret", "mosaic", "mosaic_interpret" or None, as for
         chunk_gdp_fwd_o: "xla" is jnp throughout; "pallas" (GPU) and "interpret" run the WY,
@@ -100,18 +106,83 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     scale = val.check_scale(scale, key_dim)
     implementation = dispatch.resolve_implementation(implementation)
 
+    runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))
+    config = _OpConfig(scale=scale, chunk_size=chunk_size, num_householder=m,
+                       implementation=implementation)
+    if use_qk_l2norm and _l2norm_fused(config, q, value_dim, runs is not None):
+        o, final_state = _l2norm_op(q, k, v, g, beta, runs, initial_state, config)
+    else:
+        o, final_state = _composed(q, k, v, g, beta, runs, initial_state, config, use_qk_l2norm)
+    return o, (final_state if output_final_state else None)
+
+
+class _OpConfig(NamedTuple):
+    scale: float
+    chunk_size: int
+    num_householder: int
+    implementation: str     # resolved; each stage's dispatch rule still applies
+
+
+def _composed(q, k, v, g, beta, runs, initial_state, config: _OpConfig, use_qk_l2norm: bool):
+    """The op's stages in turn, each differentiable on its own: (o, final_state)."""
+    implementation, chunk_size, m = config.implementation, config.chunk_size, config.num_householder
     if use_qk_l2norm:
         q, k = l2norm(q, implementation), l2norm(k, implementation)
-    runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))
     h, v_new, final_state, k = chunk_states(k, v, beta, g, runs, initial_state,
                                             chunk_size=chunk_size, num_householder=m,
                                             implementation=implementation)
     g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
     # The output stage takes v_new in the inputs' dtype (as fla does) and h in float32 (jnp path)
     # or the inputs' dtype when 16-bit (Pallas path); it accumulates in float32 either way.
-    o = chunk_o(q, k, v_new.astype(v.dtype), h, g_log2, runs, scale=scale,
+    o = chunk_o(q, k, v_new.astype(v.dtype), h, g_log2, runs, scale=config.scale,
                 chunk_size=chunk_size, num_householder=m, implementation=implementation)
-    return o, (final_state if output_final_state else None)
+    return o, final_state
+
+
+def _l2norm_fused(config: _OpConfig, q, value_dim: int, segmented: bool) -> bool:
+    """``dispatch.l2norm_fused`` for this op's stages (q [B, T, H, K])."""
+    batch, _, heads, key_dim = q.shape
+    states = dispatch.states_implementation(config.implementation, q.dtype, key_dim, value_dim)
+    chunk_o_forward = dispatch.chunk_o_implementation(
+        config.implementation, q.dtype, key_dim, value_dim, config.chunk_size,
+        dispatch.work_dtype(q.dtype))
+    value_width = tile_width(value_dim)
+    walk_programs = batch * heads * (value_width // min(value_width, 64))
+    return dispatch.l2norm_fused(states, chunk_o_forward, key_dim, segmented, walk_programs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _l2norm_op(q, k, v, g, beta, runs, initial_state, config: _OpConfig):
+    """The op with use_qk_l2norm. Undifferentiated, no normalised copy of q or k is written: the
+    WY kernel normalises the keys it loads and returns their factors, which the walk and chunk_o
+    apply as row and column factors; q's factors take one XLA reduction and reach chunk_o's
+    outputs. Differentiated, ``_composed`` (the normalisation as its own step, with its VJP
+    kernel), forward and backward."""
+    interpret = config.implementation == "interpret"
+    chunk_size, m = config.chunk_size, config.num_householder
+    g32 = None if g is None else g.astype(jnp.float32)
+    h, v_new, final_state, key_scale = states_pallas(
+        k, v, beta, g32, runs, initial_state, chunk_size=chunk_size, num_householder=m,
+        interpret=interpret, normalize_keys=True)
+    g_log2 = None if g is None else chunk_local_log2_cumsum(g32, chunk_size)
+    o = chunk_o_scaled_forward(q, k, v_new.astype(v.dtype), h, g_log2, runs, l2norm_factor(q),
+                               key_scale, scale=config.scale, chunk_size=chunk_size,
+                               num_householder=m, interpret=interpret)
+    return o, final_state
+
+
+def _l2norm_op_fwd(q, k, v, g, beta, runs, initial_state, config):
+    composed = lambda q, k, v, g, beta, initial_state: _composed(
+        q, k, v, g, beta, runs, initial_state, config, True)
+    return jax.vjp(composed, q, k, v, g, beta, initial_state)
+
+
+def _l2norm_op_bwd(config, composed_vjp, cotangents):
+    dq, dk, dv, dg, dbeta, dinit = composed_vjp(cotangents)
+    return dq, dk, dv, dg, dbeta, None, dinit
+
+
+_l2norm_op.defvjp(_l2norm_op_fwd, _l2norm_op_bwd)
 
 
 def chunk_states(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
@@ -199,7 +270,7 @@ def stage_dtypes(dtype) -> StageDtypes:
 
 
 def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
-                  interpret: bool, every_sub_chunk: bool = False):
+                  interpret: bool, every_sub_chunk: bool = False, normalize_keys: bool = False):
     """Stages 1-3 on the sub-chunk grid with the Pallas kernels (forward only; the op wraps it in
     a custom_vjp): (h, v_new, final_state).
 
@@ -213,6 +284,10 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     stage's inverses [B, P_pad, H, sub] float32 (None where the backward does not use them) and,
     on the padded sub-chunk grid, the state before every sub-chunk h_sub [B, NS, H, Kp, Vp] and
     v_new_p [B, P_pad, H, Vp].
+
+    ``normalize_keys`` (use_qk_l2norm, the undifferentiated forward only): the WY kernel
+    L2-normalises k per position as it loads it and returns the factors, which the walk applies;
+    the results are then (h, v_new, final_state, key_scale [B, T*M, H] float32).
     """
     positions, key_dim = k.shape[1], k.shape[3]
     value_dim = v.shape[-1]
@@ -221,19 +296,24 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
         k, v, beta, g, runs, initial_state, chunk_size, m)
     work_dtype = dispatch.work_dtype(k.dtype)
     keep_inverse = every_sub_chunk and dispatch.wy_bwd_runs_kernel(k.dtype, interpret)
-    w, u, *inverse = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
-                               out_dtype=work_dtype, interpret=interpret,
-                               return_inverse=keep_inverse)
+    w, u, *extra = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
+                             out_dtype=work_dtype, interpret=interpret,
+                             return_inverse=keep_inverse, normalize_keys=normalize_keys)
+    inverse = extra[:1] if keep_inverse else []
+    key_scale = extra[-1] if normalize_keys else None
     # The walk stores h at token-chunk boundaries and, for the backward, at every sub-chunk too
     # (written by the kernel rather than sliced out after).
     h, v_new, final_state, *h_sub = chunk_h_pallas(
         k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
         subchunks=chunk_size * m // sub, h_dtype=work_dtype, v_new_dtype=v.dtype,
-        dot_dtype=work_dtype, interpret=interpret, every_chunk_too=every_sub_chunk)
+        dot_dtype=work_dtype, interpret=interpret, every_chunk_too=every_sub_chunk,
+        key_scale=key_scale)
     outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
                final_state[..., :key_dim, :value_dim])
     if every_sub_chunk:
         return outputs + ((w, inverse[0] if inverse else None, h_sub[0], v_new),)
+    if normalize_keys:
+        return outputs + (key_scale[:, :positions],)
     return outputs
 
 

@@ -71,8 +71,8 @@ def decay_and_run_operands(g, runs, pad_tokens: int):
     return (g, runs), specs
 
 
-def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, h_ref, v_new_ref, final_ref,
-                    h_every_ref, *, num_householder: int, chunk_size: int, num_chunks: int,
+def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref, h_ref, v_new_ref,
+                    final_ref, h_every_ref, *, num_householder: int, chunk_size: int, num_chunks: int,
                     subchunks: int, dot_dtype):
     key_dim, block_v = h_ref.shape[-2], h_ref.shape[-1]
     has_g, has_segments = g_ref is not None, runs_ref is not None
@@ -85,6 +85,9 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, h_ref, v_new_r
         first = c * chunk_size
         last = first + chunk_size - 1                   # padding repeats the last real token
         rows = pl.ds(first, chunk_size)
+        # Loaded first, so that the loads are in flight before the dots, not after them.
+        key_scales = (None if key_scale_ref is None
+                      else [key_scale_ref[rows, m] for m in range(num_householder)])
         if has_segments:
             run = runs_ref[rows]                        # [BT] run numbers
             run_first, run_last = runs_ref[first], runs_ref[last]
@@ -106,6 +109,9 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, h_ref, v_new_r
         if has_segments:
             coeff = jnp.where(run == run_last, coeff, 0.0)          # only the last segment carries
             carry_in = jnp.where(run_first == run_last, carry_in, 0.0)
+        # The keys' normalisation factors (use_qk_l2norm) join the decay weights.
+        row_coeffs = ([coeff] * num_householder if key_scales is None
+                      else [coeff * key_scale for key_scale in key_scales])
         update = jnp.zeros((key_dim, block_v), jnp.float32)
         state_operand = state.astype(dot_dtype)
         for m in range(num_householder):
@@ -115,7 +121,7 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, h_ref, v_new_r
             v_new_ref[rows, m, :] = v_new.astype(v_new_ref.dtype)
             # The decay weights scale v_new's rows ([BT, BV]) rather than k's ([BT, K]): same
             # product, fewer multiplies, and k goes to the dot as loaded.
-            v_decayed = (v_new * coeff[:, None]).astype(dot_dtype)
+            v_decayed = (v_new * row_coeffs[m][:, None]).astype(dot_dtype)
             k = k_ref[rows, m, :].astype(dot_dtype)
             update += plgpu.dot(k, v_decayed, trans_a=True)         # [K, BV] f32
         return carry_in * state + update
@@ -131,7 +137,8 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, h_ref, v_new_r
 
 def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder: int,
                    subchunks: int = 1, h_dtype=jnp.float32, v_new_dtype=jnp.float32,
-                   dot_dtype=jnp.float32, every_chunk_too: bool = False, interpret: bool = False,
+                   dot_dtype=jnp.float32, every_chunk_too: bool = False,
+                   key_scale: Optional[jax.Array] = None, interpret: bool = False,
                    block_sizes: Optional[BlockSizes] = None):
     """(h [B, NT, H, K, V] in ``h_dtype``, v_new [B, T*M, H, V] in ``v_new_dtype``, final_state
     [B, H, K, V] float32); both dtypes default to float32.
@@ -149,7 +156,9 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     final state. The state is carried in float32; ``dot_dtype`` is what the two dots' operands (w
     and the state; k and the decayed v_new) are rounded to, with float32 accumulation.
     ``every_chunk_too`` also returns the state before every chunk, [B, num_chunks, H, K, V] in
-    ``h_dtype``, as a fourth result (the full op's backward keeps it).
+    ``h_dtype``, as a fourth result (the full op's backward keeps it). ``key_scale`` [B, T*M, H]
+    float32, or None: factors the keys are multiplied by as they enter the state (use_qk_l2norm's
+    normalisation of raw keys; w is taken as given).
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = u.shape[-1]
@@ -168,10 +177,16 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     one_state = pl.BlockSpec((None, None, kp, block_v), lambda vb, hd, b: (b, hd, 0, vb))
     (g_p, runs_p), (g_spec, runs_spec) = decay_and_run_operands(g, runs, pad_t)
     h0 = None if initial_state is None else pad_state(initial_state.astype(f32), kp, vp)
+    if key_scale is not None:   # [B, T*M, H] -> [B, H, T + pad_t, M], zeros past T: one head's
+        # factors contiguous, so that a step's load is one 256-byte row, not 64 strided words
+        key_scale = jnp.pad(key_scale.astype(f32), ((0, 0), (0, pad_t * m), (0, 0)))
+        key_scale = jnp.swapaxes(key_scale, 1, 2).reshape(batch, heads, t_pad, m)
     operands = (stream_layout(k, kp, pad_t, m), stream_layout(w, kp, pad_t, m),
-                stream_layout(u, vp, pad_t, m), g_p, runs_p, h0)
+                stream_layout(u, vp, pad_t, m), g_p, runs_p, h0, key_scale)
     in_specs = (key_stream, key_stream, value_stream, g_spec, runs_spec,
-                None if h0 is None else one_state)
+                None if h0 is None else one_state,
+                None if key_scale is None else pl.BlockSpec((None, None, t_pad, m),
+                                                            lambda vb, hd, b: (b, hd, 0, 0)))
     states_spec = lambda count: pl.BlockSpec((None, count, None, kp, block_v),
                                              lambda vb, hd, b: (b, 0, hd, 0, vb))
     stored = num_chunks // subchunks

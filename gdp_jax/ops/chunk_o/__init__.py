@@ -26,7 +26,7 @@ from gdp_jax.ops.chunk_o.pallas_bwd import chunk_o_bwd_pallas
 from gdp_jax.ops.chunk_o.pallas_fwd import chunk_o_fwd_pallas
 from gdp_jax.ops.chunk_o.xla import chunk_o_xla
 
-__all__ = ["chunk_gdp_fwd_o", "chunk_o"]
+__all__ = ["chunk_gdp_fwd_o", "chunk_o", "chunk_o_scaled_forward"]
 
 
 def chunk_gdp_fwd_o(q: jax.Array, k: jax.Array, v: jax.Array, h: jax.Array,
@@ -102,6 +102,19 @@ def chunk_o(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_household
                      backward_implementation=dispatch.chunk_o_backward_implementation(
                          forward, q.dtype, q.shape[-1], v.shape[-1], chunk_size, h.dtype))
     return _chunk_o(q, k, v, h, g, runs, config)
+
+
+def chunk_o_scaled_forward(q, k, v, h, g, runs, q_scale, k_scale, *, scale: float,
+                           chunk_size: int, num_householder: int, interpret: bool) -> jax.Array:
+    """chunk_o of (q_scale q) and (k_scale k), the factors applied inside the Triton forward
+    kernel to its scores and outputs: the full op's undifferentiated forward with use_qk_l2norm
+    (``dispatch.l2norm_fused``), the factors being l2norm's. Forward only (no VJP); arguments as
+    ``chunk_o`` takes them, g float32 or None, q_scale [B, T, H], k_scale [B, T*M, H]."""
+    (q, k, v, h), unpad = _pad_to_tiles(q, k, v, h)
+    o = chunk_o_fwd_pallas(q, k, v, h, g, runs, scale=scale, chunk_size=chunk_size,
+                           num_householder=num_householder, interpret=interpret,
+                           q_scale=q_scale, k_scale=k_scale)
+    return unpad(value=o)
 
 
 @dataclasses.dataclass(frozen=True)

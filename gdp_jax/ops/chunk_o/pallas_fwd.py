@@ -117,8 +117,9 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, num_house
                       copy_order="fused" if m >= 3 else "scores_first")
 
 
-def _chunk_o_kernel(q_ref, k_refs, v_refs, h_ref, g_ref, start_rows_ref, o_ref, *, scale: float,
-                    chunk_size: int, tokens: int, num_chunks: int, sizes: BlockSizes):
+def _chunk_o_kernel(q_ref, k_refs, v_refs, h_ref, g_ref, start_rows_ref, q_scale_ref,
+                    k_scale_refs, o_ref, *, scale: float, chunk_size: int, tokens: int,
+                    num_chunks: int, sizes: BlockSizes):
     chunks_per_program, block_v, block_k = sizes.chunks_per_program, sizes.block_v, sizes.block_k
     value_blocks_per_program, value_step = sizes.value_blocks_per_program, sizes.value_step
     first_chunk = pl.program_id(2) * chunks_per_program
@@ -133,11 +134,23 @@ def _chunk_o_kernel(q_ref, k_refs, v_refs, h_ref, g_ref, start_rows_ref, o_ref, 
             None if g_ref is None else load(g_ref.at[chunk_rows]),
             None if start_rows_ref is None else load(start_rows_ref.at[chunk_rows]), chunk_size)
 
-        def weigh(score):                                           # [BT, BT] f32 -> v's dtype
+        # Row factors of q and k (use_qk_l2norm on raw q, k): q_n·k_n = r_q r_k q·k, so the
+        # scores' columns take r_k and o's rows r_q when stored.
+        q_scale = None if q_scale_ref is None else load(q_scale_ref.at[chunk_rows])   # [BT]
+
+        def weigh(score, copy):                                     # [BT, BT] f32 -> v's dtype
+            if k_scale_refs is not None:
+                score = score * load(k_scale_refs[copy].at[chunk_rows])[None, :]
             return apply_pair_weight(score, pair_mask, pair_weight).astype(v_refs[0].dtype)
 
-        def copy_score(k_ref):
-            return weigh(plgpu.dot(q, load(k_ref.at[chunk_rows]), trans_b=True))   # [BT, BT]
+        def copy_score(copy):
+            k = load(k_refs[copy].at[chunk_rows])
+            return weigh(plgpu.dot(q, k, trans_b=True), copy)                       # [BT, BT]
+
+        def store(o, value_cols):
+            o = scale * o if q_scale is None else o * (scale * q_scale)[:, None]
+            plgpu.store(o_ref.at[chunk_rows, value_cols], o.astype(o_ref.dtype),
+                        mask=row_valid[:, None])
 
         def state_dot(q_cols, state):                               # [BT, k] @ [k, BV] -> f32
             dot_dtype = jnp.promote_types(q_cols.dtype, state.dtype)
@@ -158,8 +171,7 @@ def _chunk_o_kernel(q_ref, k_refs, v_refs, h_ref, g_ref, start_rows_ref, o_ref, 
             for copy, (score, v_ref) in enumerate(zip(scores, v_refs)):
                 v = values[copy] if values is not None else load_value(v_ref, value_cols)
                 o += plgpu.dot(score, v)
-            plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
-                        mask=row_valid[:, None])
+            store(o, value_cols)
 
         if block_k is not None:
             zeros = lambda n: jnp.zeros((chunk_size, n), jnp.float32)
@@ -184,7 +196,8 @@ def _chunk_o_kernel(q_ref, k_refs, v_refs, h_ref, g_ref, start_rows_ref, o_ref, 
                 return jax.lax.fori_loop(0, q_ref.shape[-1] // block_k, key_step, init)
 
             if value_step is not None:
-                scores = [weigh(score) for score in key_loop(None, k_refs)]
+                scores = [weigh(score, copy)
+                          for copy, score in enumerate(key_loop(None, k_refs))]
                 q = load(q_ref.at[chunk_rows])                      # [BT, K], L2-resident by now
 
                 def value_step_body(j, carry):
@@ -201,7 +214,7 @@ def _chunk_o_kernel(q_ref, k_refs, v_refs, h_ref, g_ref, start_rows_ref, o_ref, 
             values = ([load_value(v_ref, value_cols) for v_ref in v_refs]
                       if sizes.prefetch_values else None)
             o_state, *scores = key_loop(value_cols, k_refs)
-            scores = [weigh(score) for score in scores]
+            scores = [weigh(score, copy) for copy, score in enumerate(scores)]
             finish(weigh_rows(o_state), scores, value_cols, values)
             for j in range(1, value_blocks_per_program):
                 value_cols = pl.ds(j * block_v, block_v)
@@ -212,13 +225,12 @@ def _chunk_o_kernel(q_ref, k_refs, v_refs, h_ref, g_ref, start_rows_ref, o_ref, 
         if sizes.copy_order == "fused" and value_blocks_per_program == 1:
             value_cols = pl.ds(0, block_v)
             o = state_term(q, value_cols)
-            for k_ref, v_ref in zip(k_refs, v_refs):                # one score live at a time
-                o += plgpu.dot(copy_score(k_ref), load_value(v_ref, value_cols))
-            plgpu.store(o_ref.at[chunk_rows, value_cols], (scale * o).astype(o_ref.dtype),
-                        mask=row_valid[:, None])
+            for copy, v_ref in enumerate(v_refs):                   # one score live at a time
+                o += plgpu.dot(copy_score(copy), load_value(v_ref, value_cols))
+            store(o, value_cols)
             return carry
 
-        scores = [copy_score(k_ref) for k_ref in k_refs]            # once, for every value tile
+        scores = [copy_score(copy) for copy in range(len(k_refs))]  # once, for every value tile
         for j in range(value_blocks_per_program):
             value_cols = pl.ds(j * block_v, block_v)
             finish(state_term(q, value_cols), scores, value_cols)
@@ -233,12 +245,14 @@ def _chunk_o_kernel(q_ref, k_refs, v_refs, h_ref, g_ref, start_rows_ref, o_ref, 
 
 
 def chunk_o_fwd_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
-                       num_householder: int, interpret: bool = False,
+                       num_householder: int, interpret: bool = False, q_scale=None, k_scale=None,
                        block_sizes: Optional[BlockSizes] = None) -> jax.Array:
     """o [B, T, H, V] in v's dtype from validated inputs; K and V powers of two >= 16.
 
     q [B, T, H, K]; k [B, T*M, H, K]; v [B, T*M, H, V] (one dtype for q, k, v); h [B, NT, H, K, V];
     g [B, T, H] float32 or None; runs [B, T] int32 segment run numbers or None.
+    q_scale [B, T, H] and k_scale [B, T*M, H] float32, or None: factors q and k are taken times
+    (use_qk_l2norm's normalisation of raw q, k; applied to the scores and o, not to the tiles).
     ``block_sizes`` overrides the launch table (``default_block_sizes``), for tuning.
     """
     batch, tokens, heads, key_dim = q.shape
@@ -265,7 +279,12 @@ def chunk_o_fwd_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
     k_copies = k.reshape(batch, tokens, m * heads, key_dim)
     v_copies = v.reshape(batch, tokens, m * heads, value_dim)
     start_rows = None if runs is None else segment_start_rows(runs, chunk_size)
-    operands = (q, (k_copies,) * m, (v_copies,) * m, h, g, start_rows)
+    per_token = lambda copy: pl.BlockSpec((None, block_t, None),
+                                          lambda vb, hd, c, b: (b, c, copy * heads + hd))
+    k_scale_copies = (None if k_scale is None
+                      else (k_scale.astype(jnp.float32).reshape(batch, tokens, m * heads),) * m)
+    operands = (q, (k_copies,) * m, (v_copies,) * m, h, g, start_rows,
+                None if q_scale is None else q_scale.astype(jnp.float32), k_scale_copies)
     in_specs = (
         token_spec(key_dim, value_split=False),
         tuple(token_spec(key_dim, i, value_split=False) for i in range(m)),
@@ -273,6 +292,8 @@ def chunk_o_fwd_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
         pl.BlockSpec((None, cpp, None, key_dim, program_width), lambda vb, hd, c, b: (b, c, hd, 0, vb)),
         None if g is None else pl.BlockSpec((None, block_t, None), lambda vb, hd, c, b: (b, c, hd)),
         None if runs is None else pl.BlockSpec((None, block_t), lambda vb, hd, c, b: (b, c)),
+        None if q_scale is None else per_token(0),
+        None if k_scale is None else tuple(per_token(i) for i in range(m)),
     )
     kernel = functools.partial(_chunk_o_kernel, scale=scale, chunk_size=chunk_size, tokens=tokens,
                                num_chunks=num_chunks, sizes=sizes)

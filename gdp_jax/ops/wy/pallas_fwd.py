@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax._src.pallas import plgpu, HIGHEST, triton_call
+from gdp_jax._src.pallas import plgpu, HIGHEST, l2norm_scale, row_sum_of_squares, triton_call
 
 _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
 
@@ -58,8 +58,8 @@ class BlockSizes:
     num_stages: int = 1
 
 
-def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref, *,
-               sub_chunk: int):
+def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
+               key_scale_ref, *, sub_chunk: int):
     f32 = jnp.float32
     sixteen_bit = jnp.dtype(k_ref.dtype).itemsize == 2
     nb = sub_chunk // _BLOCK
@@ -71,6 +71,11 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, invers
     gamma = [gamma_ref[rows_of(i)] for i in range(nb)] if has_g else None
     run = [runs_ref[rows_of(i)] for i in range(nb)] if has_segments else None
     keys = [k_ref[rows_of(i), :] for i in range(nb)]                      # inputs' dtype, [16, K]
+    if key_scale_ref is not None:     # keys normalised as loaded; their factors kept for the walk
+        for i in range(nb):
+            key_scale = l2norm_scale(row_sum_of_squares(keys[i]))
+            key_scale_ref[rows_of(i)] = key_scale
+            keys[i] = (keys[i].astype(f32) * key_scale[:, None]).astype(k_ref.dtype)
     r16 = jax.lax.broadcasted_iota(jnp.int32, (_BLOCK, _BLOCK), 0)
     c16 = jax.lax.broadcasted_iota(jnp.int32, (_BLOCK, _BLOCK), 1)
 
@@ -144,7 +149,8 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, invers
 
 
 def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: bool = False,
-              return_inverse: bool = False, block_sizes: Optional[BlockSizes] = None):
+              return_inverse: bool = False, normalize_keys: bool = False,
+              block_sizes: Optional[BlockSizes] = None):
     """(w [B, P, H, K], u [B, P, H, V]) in ``out_dtype``, per sub-chunk of ``sub_chunk`` positions;
     with ``return_inverse`` also T = (I + A)^{-1} [B, P, H, S] float32 (row j: T[j, :] of its
     sub-chunk, zero above the diagonal), which the backward (``wy.pallas_bwd``) reuses.
@@ -153,7 +159,9 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     gamma [B, P, H] float32 sub-chunk-local log2 decays (``cumsum.expanded_log2_decays``) or None;
     runs [B, P] int32 run numbers per position or None. P must be a multiple of ``sub_chunk`` (a
     multiple of 16, at most 64) and K, V powers of two >= 16: the caller pads (zero keys, values and
-    betas; padding positions change nothing).
+    betas; padding positions change nothing). ``normalize_keys``: k is L2-normalised per position
+    as loaded (``layout.l2norm``'s formula), as if the caller had normalised it, and the factors
+    (sum_d k_d^2 + eps)^(-1/2) come back last, [B, P, H] float32.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
@@ -171,11 +179,14 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     out_shape = (jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, sub_chunk), jnp.float32)
-                 if return_inverse else None)
-    out_specs = (rows(key_dim), rows(value_dim), rows(sub_chunk) if return_inverse else None)
-    w, u, inverse = triton_call(
+                 if return_inverse else None,
+                 jax.ShapeDtypeStruct((batch, positions, heads), jnp.float32)
+                 if normalize_keys else None)
+    out_specs = (rows(key_dim), rows(value_dim), rows(sub_chunk) if return_inverse else None,
+                 per_position if normalize_keys else None)
+    w, u, inverse, key_scale = triton_call(
         functools.partial(_wy_kernel, sub_chunk=sub_chunk), *operands, name="gdp_wy_fwd",
         grid=(heads, positions // sub_chunk, batch), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, num_warps=sizes.num_warps, num_stages=sizes.num_stages,
         interpret=interpret)
-    return (w, u, inverse) if return_inverse else (w, u)
+    return (w, u) + ((inverse,) if return_inverse else ()) + ((key_scale,) if normalize_keys else ())

@@ -372,7 +372,9 @@ def timing_kwargs(args) -> dict:
     return dict(target_s=args.target_ms / 1e3, reps=args.reps, max_iters=args.max_iters)
 
 
-def _pick_n(est_s, target_s, nsets, max_iters):
+def pick_n(est_s, target_s, nsets, max_iters):
+    """Calls per timed loop: about ``target_s`` of calls at ``est_s`` each, between ``nsets`` and
+    ``max_iters``, rounded up to whole rotations of the ``nsets`` input sets."""
     n = int(target_s / max(est_s, 1e-7))
     n = max(nsets, min(max_iters, n))
     return int(math.ceil(n / nsets) * nsets)
@@ -464,7 +466,7 @@ def measure(runner, *, target_s, reps, max_iters, during=None):
     phase."""
     first = runner.warm()
     ns = len(runner.sets)
-    n = _pick_n(estimate_call_s(runner, ns), target_s, ns, max_iters)
+    n = pick_n(estimate_call_s(runner, ns), target_s, ns, max_iters)
     with during if during is not None else contextlib.nullcontext():
         times = [runner.loop(n) for _ in range(reps)]
     info = dict(n=n, reps=reps, loop_ms=times, first_call_s=first)
@@ -504,7 +506,7 @@ def time_alternating(runners: dict, *, rounds: int, target_s, reps, max_iters, p
         try:
             first = runner.warm()
             ns = len(runner.sets)
-            sized[name] = (_pick_n(estimate_call_s(runner, ns), target_s, ns, max_iters), first)
+            sized[name] = (pick_n(estimate_call_s(runner, ns), target_s, ns, max_iters), first)
         except Exception as e:  # noqa: BLE001
             failed(name, e)
     times = {name: [] for name in sized}

@@ -47,7 +47,7 @@ import traceback
 
 
 from common import (HEADLINE_SHAPE, SHAPE_SETS, HEADLINE, GpuMonitor, JaxRunner, Phases,
-                    estimate_call_s,
+                    estimate_call_s, pick_n,
                     add_dtype_arg, add_timing_args, copy_bandwidth, floor_ms, fmt, log,
                     make_problems, nbytes, on_cpu, parse_shapes, print_table, relative_errors,
                     run_meta, shape_label, shape_sets_epilog, short_exc, sub_grid_inputs,
@@ -560,9 +560,7 @@ def run_configs(stage, plan, default, sets, shp, p0, args, phases, timing, bandw
             row["ok"] = row["finite"] and row["relerr"] <= args.max_err
             del out
             ns = len(sets)
-            per_call_ms = max(estimate_call_s(runner, ns) * 1e3, 1e-4)
-            row["n"] = max(ns, min(args.max_iters, int(timing["target_s"] * 1e3 / per_call_ms))
-                           // ns * ns)
+            row["n"] = pick_n(estimate_call_s(runner, ns), timing["target_s"], ns, args.max_iters)
             live[name] = runner
             log(f"  {name:32s} built in {row['first_call_s']:.1f} s; rel diff from default "
                 f"{row['relerr']:.2e}{'' if row['ok'] else '  BAD'}")

@@ -220,6 +220,37 @@ def test_l2norm_forward_inside_the_kernels(case, monkeypatch):
                             "rsqrt") == 2
 
 
+def test_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
+    """Where the undifferentiated forward is fused (no segment ids; threshold lowered), the
+    gradient goes through _l2norm_op's custom_vjp (its forward rule the composed op, its
+    backward that op's VJP): every input's gradient against float64 autodiff of the
+    recurrence, and the op's value under value_and_grad."""
+    monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
+    case = Case(37, 16, 8, 2, 16, segments=False)
+    p = build(case, qk_l2norm=True)
+    do, dfinal, expected = recurrence_grads(p, qk_l2norm=True)
+    names = [n for n in GRAD_NAMES if expected[n] is not None]
+    primals = dict(q=p.q, k=p.k, v=p.v, g_raw=p.g_raw, beta=p.beta,
+                   initial_state=p.initial_state)
+    op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
+                           use_qk_l2norm=True, chunk_size=case.chunk_size,
+                           implementation="interpret")
+    assert _outside_kernels(jax.make_jaxpr(op)(*p.full_args()).jaxpr, "rsqrt") == 1   # fused
+
+    def loss(*args):
+        a = dict(primals, **dict(zip(names, args)))
+        o, final_state = op(a["q"], a["k"], a["v"], a["g_raw"], a["beta"],
+                            initial_state=a["initial_state"])
+        return (jnp.sum(o.astype(jnp.float32) * do.astype(np.float32))
+                + jnp.sum(final_state * dfinal.astype(np.float32))), o
+
+    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(names))),
+                                               has_aux=True))(*[primals[n] for n in names])
+    assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
+    assert_all_close(dict(zip(names, grads)), {n: expected[n] for n in names},
+                     tolerance(case.dtype))
+
+
 def test_l2norm_fused_rule(monkeypatch):
     """dispatch.l2norm_fused's table: Triton kernels throughout, K padded to at most 128, no
     segment ids, at least 128 walk programs; and the op follows it: q and k are normalised

@@ -410,6 +410,14 @@ def test_full_op_l2norm_forward(case, monkeypatch):
                      dict(o=composed[0], final_state=composed[1]), gpu_tol(case.dtype))
 
 
+def test_full_op_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
+    """test_full_op's checks (o, final state, every input's gradient) with use_qk_l2norm and no
+    segment ids, the threshold lowered, so the gradient goes through the fused forward's
+    custom_vjp."""
+    monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
+    test_full_op(Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4, segments=False), True)
+
+
 def test_long_row_stress():
     """One row of T = 65536 bf16 tokens (B = 1, H = 2, K = V = 128, M = 2) from
     cases.stress_problem: beta in (1.9, 2), gates in runs near 0 and down to -8. o on three

@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax._src.layout import L2NORM_EPS
-
 try:
     from jax.experimental.pallas import triton as plgpu
 except ImportError:     # a jax whose Pallas has no Triton lowering: dispatch routes around ours
@@ -62,17 +60,6 @@ def load_rows(ref, row_valid, other=0):
     """Masked load of a [rows, ...] tile; rows past the end of the sequence read ``other``."""
     mask = row_valid.reshape(row_valid.shape + (1,) * (len(ref.shape) - 1))
     return plgpu.load(ref, mask=mask, other=other)
-
-
-def row_sum_of_squares(x):
-    """[rows] float32 sum of x^2 over the columns of a [rows, D] tile."""
-    x = x.astype(jnp.float32)
-    return jnp.sum(x * x, axis=1)
-
-
-def l2norm_scale(sum_of_squares):
-    """(sum_of_squares + eps)^(-1/2), float32: the factor ``layout.l2norm`` multiplies a row by."""
-    return jax.lax.rsqrt(sum_of_squares + L2NORM_EPS)
 
 
 def row_validity(chunk, chunk_size: int, tokens: int):

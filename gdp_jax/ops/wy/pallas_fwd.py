@@ -45,7 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax._src.pallas import plgpu, HIGHEST, l2norm_scale, row_sum_of_squares, triton_call
+from gdp_jax._src.layout import l2norm_factor
+from gdp_jax._src.pallas import plgpu, HIGHEST, triton_call
 
 _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
 
@@ -73,7 +74,7 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, invers
     keys = [k_ref[rows_of(i), :] for i in range(nb)]                      # inputs' dtype, [16, K]
     if key_scale_ref is not None:     # keys normalised as loaded; their factors kept for the walk
         for i in range(nb):
-            key_scale = l2norm_scale(row_sum_of_squares(keys[i]))
+            key_scale = l2norm_factor(keys[i])
             key_scale_ref[rows_of(i)] = key_scale
             keys[i] = (keys[i].astype(f32) * key_scale[:, None]).astype(k_ref.dtype)
     r16 = jax.lax.broadcasted_iota(jnp.int32, (_BLOCK, _BLOCK), 0)

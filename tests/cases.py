@@ -479,6 +479,19 @@ def run_full_op(p: Problem, implementation, **kwargs):
         *p.full_args(), initial_state=p.initial_state, segment_ids=p.segment_ids)
 
 
+def l2norm_op_of_qk(p: Problem, implementation):
+    """op(q, k) -> (o, final_state): the full op with use_qk_l2norm on the problem's other inputs,
+    segment ids and chunk size, q and k its only arguments (to differentiate or not)."""
+    import gdp_jax
+
+    def op(q, k):
+        return gdp_jax.chunk_gated_delta_product(
+            q, k, p.v, p.g_raw, p.beta, initial_state=p.initial_state,
+            segment_ids=p.segment_ids, output_final_state=True, use_qk_l2norm=True,
+            chunk_size=p.case.chunk_size, implementation=implementation)
+    return op
+
+
 def randomize_biases(module, seed: int = 0) -> None:
     """Give a Flax NNX module's biases N(0, 0.3) values: nnx inits them to zero, where a test
     comparing layers could not see them."""

@@ -21,7 +21,7 @@ from gdp_jax._src import dispatch
 from gdp_jax.ops import cumsum
 from gdp_jax.ops.gated_delta_product import states_jnp, states_pallas
 from cases import (GRAD_NAMES, Case, assert_all_close, assert_close, build, full_op_fn,
-                   recurrence_grads, run_full_op, stress_problem, tolerance)
+                   l2norm_op_of_qk, recurrence_grads, run_full_op, stress_problem, tolerance)
 
 IMPLEMENTATIONS = ["xla", "interpret"]
 BASE = Case(77, 32, 16, 2, 16)
@@ -166,7 +166,8 @@ def test_defaults_and_no_final_state():
 # which the walk and chunk_o apply; q's factors reach chunk_o's outputs. Each chunk_o variant:
 # whole rows (float32, K 32; M = 3 at chunk 32, copy order "fused") and its K loop (16-bit,
 # chunk 64, K 128: 32-key steps at M = 2, the value-column loop at M = 3).
-# No segment ids: with them the op keeps the normalisation a separate step (dispatch.l2norm_fused).
+# No segment ids: with them the op keeps the normalisation a separate step
+# (dispatch.l2norm_fused).
 L2NORM_FORWARD_CASES = [
     Case(77, 32, 16, 2, 16, segments=False),
     Case(130, 16, 32, 3, 32, dtype="bfloat16", initial_state=False, segments=False),
@@ -201,12 +202,7 @@ def test_l2norm_forward_inside_the_kernels(case, monkeypatch):
     that these small problems take the fused path."""
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
     p = build(case, qk_l2norm=True)
-
-    def op(q, k):
-        return gdp_jax.chunk_gated_delta_product(
-            q, k, p.v, p.g_raw, p.beta, initial_state=p.initial_state,
-            segment_ids=p.segment_ids, output_final_state=True, use_qk_l2norm=True,
-            chunk_size=case.chunk_size, implementation="interpret")
+    op = l2norm_op_of_qk(p, "interpret")
 
     o, final_state = jax.jit(op)(p.q, p.k)
     assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
@@ -228,27 +224,11 @@ def test_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
     case = Case(37, 16, 8, 2, 16, segments=False)
     p = build(case, qk_l2norm=True)
-    do, dfinal, expected = recurrence_grads(p, qk_l2norm=True)
-    names = [n for n in GRAD_NAMES if expected[n] is not None]
-    primals = dict(q=p.q, k=p.k, v=p.v, g_raw=p.g_raw, beta=p.beta,
-                   initial_state=p.initial_state)
     op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
                            use_qk_l2norm=True, chunk_size=case.chunk_size,
                            implementation="interpret")
     assert _outside_kernels(jax.make_jaxpr(op)(*p.full_args()).jaxpr, "rsqrt") == 1   # fused
-
-    def loss(*args):
-        a = dict(primals, **dict(zip(names, args)))
-        o, final_state = op(a["q"], a["k"], a["v"], a["g_raw"], a["beta"],
-                            initial_state=a["initial_state"])
-        return (jnp.sum(o.astype(jnp.float32) * do.astype(np.float32))
-                + jnp.sum(final_state * dfinal.astype(np.float32))), o
-
-    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(names))),
-                                               has_aux=True))(*[primals[n] for n in names])
-    assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
-    assert_all_close(dict(zip(names, grads)), {n: expected[n] for n in names},
-                     tolerance(case.dtype))
+    _check_gradients(p, op, qk_l2norm=True)
 
 
 def test_l2norm_fused_rule(monkeypatch):
@@ -258,7 +238,8 @@ def test_l2norm_fused_rule(monkeypatch):
     value blocks of 64: here 2 * 2 * 1), and inside them (one, q's factors) once the threshold
     is lowered to the problem's programs."""
     fused = dispatch.l2norm_fused
-    assert fused("pallas", "pallas", 128, False, 256) and fused("interpret", "interpret", 100, False, 128)
+    assert fused("pallas", "pallas", 128, False, 256)
+    assert fused("interpret", "interpret", 100, False, 128)
     assert not fused("pallas", "pallas", 129, False, 256)       # K padded to 256
     assert not fused("pallas", "pallas", 128, True, 256)        # segment ids
     assert not fused("pallas", "pallas", 128, False, 127)       # B1 H16 V128 has 32
@@ -296,15 +277,13 @@ GRAD_CASES = {
 GRAD_PARAMS = [(name, impl) for name, (_, _, impls) in GRAD_CASES.items() for impl in impls]
 
 
-@pytest.mark.parametrize("name,implementation", GRAD_PARAMS)
-def test_gradients_against_recurrence(name, implementation):
-    case, l2norm, _ = GRAD_CASES[name]
-    p = build(case, qk_l2norm=l2norm)
-    do, dfinal, expected = recurrence_grads(p, qk_l2norm=l2norm)
+def _check_gradients(p, op, qk_l2norm: bool):
+    """o and every input's gradient of ``op`` (the full op with the problem's static options
+    bound; called as op(q, k, v, g_raw, beta, initial_state=...)) against float64 autodiff of
+    the recurrence, at SPEC's tolerance for the inputs' dtype."""
+    dtype = p.case.dtype
+    do, dfinal, expected = recurrence_grads(p, qk_l2norm=qk_l2norm)
     names = [n for n in GRAD_NAMES if expected[n] is not None]
-    op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
-                           segment_ids=p.segment_ids, use_qk_l2norm=l2norm,
-                           chunk_size=case.chunk_size, implementation=implementation)
     primals = dict(q=p.q, k=p.k, v=p.v, g_raw=p.g_raw, beta=p.beta,
                    initial_state=p.initial_state)
 
@@ -317,12 +296,21 @@ def test_gradients_against_recurrence(name, implementation):
 
     (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(names))),
                                                has_aux=True))(*[primals[n] for n in names])
-    assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
+    assert_close(o, p.ref["o"], tolerance(dtype), "o")
     grads = dict(zip(names, grads))
     for n in names:
         chex.assert_equal_shape([grads[n], primals[n]])
         chex.assert_type(grads[n], primals[n].dtype)
-    assert_all_close(grads, {n: expected[n] for n in names}, tolerance(case.dtype))
+    assert_all_close(grads, {n: expected[n] for n in names}, tolerance(dtype))
+
+
+@pytest.mark.parametrize("name,implementation", GRAD_PARAMS)
+def test_gradients_against_recurrence(name, implementation):
+    case, l2norm, _ = GRAD_CASES[name]
+    p = build(case, qk_l2norm=l2norm)
+    _check_gradients(p, functools.partial(
+        gdp_jax.chunk_gated_delta_product, output_final_state=True, segment_ids=p.segment_ids,
+        use_qk_l2norm=l2norm, chunk_size=case.chunk_size, implementation=implementation), l2norm)
 
 
 # ---------------------------------------------------------------------------------------------

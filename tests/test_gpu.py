@@ -25,8 +25,8 @@ from gdp_jax.ops.chunk_h import chunk_h_pallas
 from gdp_jax.ops.chunk_o import pallas_bwd
 from gdp_jax.ops.wy import wy_bwd_pallas, wy_pallas, wy_xla
 from cases import (CHUNK_O_NAMES, GRAD_NAMES, Case, assert_all_close, assert_close, build, case_id,
-                   cotangent, dense_chunked_grads, recurrence_grads, rel_err, run_chunk_o,
-                   stress_problem, tolerance)
+                   cotangent, dense_chunked_grads, l2norm_op_of_qk, recurrence_grads, rel_err,
+                   run_chunk_o, stress_problem, tolerance)
 from test_chunk_h import kernel_vjp as walk_kernel_vjp, reference_vjp as walk_reference_vjp, walk_inputs
 from test_chunk_o_bwd import kernel_inputs
 from test_wy import NAMES as WY_NAMES, make_inputs as wy_inputs, reference_vjp as wy_reference_vjp
@@ -395,12 +395,7 @@ def test_full_op_l2norm_forward(case, monkeypatch):
     speed row) is lowered so that these problems take the fused path."""
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
     p = build(case, qk_l2norm=True)
-
-    def op(q, k):
-        return gdp_jax.chunk_gated_delta_product(
-            q, k, p.v, p.g_raw, p.beta, initial_state=p.initial_state,
-            segment_ids=p.segment_ids, output_final_state=True, use_qk_l2norm=True,
-            chunk_size=case.chunk_size, implementation="pallas")
+    op = l2norm_op_of_qk(p, "pallas")
 
     o, final_state = jax.jit(op)(p.q, p.k)
     composed = jax.jit(lambda q, k: jax.vjp(op, q, k)[0])(p.q, p.k)

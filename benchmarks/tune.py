@@ -314,8 +314,9 @@ class WalkBwd(Wy):
 
     def default(self, shape, p):
         from gdp_jax.ops.chunk_h import pallas_bwd
-        return pallas_bwd.default_block_sizes(tile_width(shape["K"]), tile_width(shape["V"]),
-                                              self.grid[0]["sub"], self._dot({}))
+        grid = self.grid[0]
+        return pallas_bwd.default_block_sizes(tile_width(shape["K"]), tile_width(shape["V"]), grid["sub"],
+                                              grid["sub"] * grid["subchunks"], self._dot({}))
 
     def call(self, sizes, options, shape, p, interpret):
         from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas

@@ -272,14 +272,24 @@ def test_walk_bwd_16_bit(dtype, dot_dtype):
 
 
 def test_walk_bwd_default_block_sizes_table():
-    """RESULTS.md, "Reverse state walk and its epilogue": (block_k, block_v, num_warps)."""
+    """RESULTS.md, "Reverse state walk and its epilogue": (block_k, block_v, num_warps) and two
+    stages for 16-bit dots where one step's k, w and dv fit (a token chunk, chunk_size * M
+    rows)."""
     fields = lambda *a: (lambda s: (s.block_k, s.block_v, s.num_warps))(default_block_sizes(*a))
-    assert fields(128, 128, 64, jnp.bfloat16) == (128, 64, 4)
-    assert fields(128, 128, 64, jnp.float32) == (64, 32, 4)
-    assert fields(256, 128, 64, jnp.float32) == (64, 16, 4)
-    assert fields(256, 128, 64, jnp.bfloat16) == (64, 16, 4)     # 16-bit only up to K = 128
-    assert fields(96, 48, 128, jnp.float32) == (64, 32, 8)       # padded widths; chunk 128: 8 warps
-    assert fields(16, 16, 16, jnp.bfloat16) == (16, 16, 4)
+    assert fields(128, 128, 64, 64 * 2, jnp.bfloat16) == (128, 64, 4)
+    assert fields(128, 128, 64, 64 * 2, jnp.float32) == (64, 32, 4)
+    assert fields(256, 128, 64, 64 * 2, jnp.float32) == (64, 16, 4)
+    assert fields(256, 128, 64, 64 * 2, jnp.bfloat16) == (64, 16, 4)     # 16-bit only up to K = 128
+    assert fields(96, 48, 128, 128, jnp.float32) == (64, 32, 8)          # padded widths; chunk 128: 8 warps
+    assert fields(16, 16, 16, 16, jnp.bfloat16) == (16, 16, 4)
+    stages = lambda *a: default_block_sizes(*a).num_stages
+    assert stages(64, 64, 64, 64 * 2, jnp.bfloat16) == 2         # measured: 0.72x
+    assert stages(128, 128, 64, 64 * 1, jnp.float16) == 2        # M = 1: 0.89x
+    assert stages(100, 256, 64, 64 * 1, jnp.bfloat16) == 2       # K padded to 128, 64-wide v blocks
+    assert stages(128, 128, 64, 64 * 2, jnp.bfloat16) == 1       # measured: 1.02x
+    assert stages(64, 64, 64, 64 * 3, jnp.bfloat16) == 1         # a larger step than measured
+    assert stages(128, 128, 64, 64 * 1, jnp.float32) == 1        # float32 dots: one stage
+    assert stages(256, 256, 64, 64 * 1, jnp.bfloat16) == 1
 
 
 def test_walk_default_block_sizes_table():

@@ -92,25 +92,39 @@ class BlockSizes:
     epilogue_warps: int = 4
 
 
-def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int,
+# Bytes of k, w and dv one step of the reverse walk loads (a token chunk's sub-chunks) up to which
+# it takes two stages: M = 2 at K = 64 (48 KiB). The next measured, M = 2 at K = 128 (80 KiB),
+# ran 1.02x slower with two.
+TWO_STAGE_STEP_BYTES = 2 * 64 * (2 * 64 + 64) * 2
+
+
+def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_step: int,
                         dot_dtype=jnp.float32) -> BlockSizes:
-    """The launch table for K, V (padded to tile widths inside), the chunk size and the dots'
-    operand dtype. RESULTS.md, "Reverse state walk and its epilogue":
+    """The launch table for K, V (padded to tile widths inside), the chunk size, the rows of k, w
+    and dv one step of the reverse walk reads (chunk_size * subchunks * num_householder) and the
+    dots' operand dtype. RESULTS.md, "Reverse state walk and its epilogue":
 
     | shape class | (block_k, block_v) | why |
     |---|---|---|
     | 16-bit dots, K <= 128 | (K, 64) | measured fastest of the block and warp choices |
     | float32 dots, K <= 128 | (64, 32) | no spill in offline sm_90a builds (BK 32 spills: more load sites) |
     | float32 dots, K = 256 | (64, 16) | the widest value block without spills offline |
+    | 16-bit dots, a step of at most TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.72x at K = 64, M = 2; 0.89x at K = 128, M = 1 |
+    | otherwise | 1 stage | 1.02x at K = 128, M = 2 with two |
 
     8 warps at chunk 128 (4 spill there offline), else 4. The walk is latency bound (one dependent
     chain of dots per chunk), so narrower value blocks, i.e. more programs, are preferred.
     """
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     warps = 8 if chunk_size >= 128 else 4
-    if jnp.dtype(dot_dtype).itemsize == 2 and kp <= 128:
-        return BlockSizes(block_k=kp, block_v=min(vp, 64), num_warps=warps)
-    return BlockSizes(block_k=min(kp, 64), block_v=min(vp, 32 if kp <= 128 else 16), num_warps=warps)
+    sixteen_bit = jnp.dtype(dot_dtype).itemsize == 2
+    if sixteen_bit and kp <= 128:
+        block_k, block_v = kp, min(vp, 64)
+    else:
+        block_k, block_v = min(kp, 64), min(vp, 32 if kp <= 128 else 16)
+    step_bytes = rows_per_step * (2 * kp + block_v) * jnp.dtype(dot_dtype).itemsize
+    stages = 2 if sixteen_bit and step_bytes <= TWO_STAGE_STEP_BYTES else 1
+    return BlockSizes(block_k=block_k, block_v=block_v, num_warps=warps, num_stages=stages)
 
 
 def _decay_coefficients(g, segment, is_last):
@@ -216,7 +230,8 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     pad_t = num_chunks * chunk_size - tokens
     t_pad = tokens + pad_t
     kp, vp = tile_width(key_dim), tile_width(value_dim)
-    sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size, dot_dtype)
+    sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size,
+                                               chunk_size * subchunks * m, dot_dtype)
     block_k, block_v = sizes.block_k, sizes.block_v
     for name, block, width in (("block_k", block_k, kp), ("block_v", block_v, vp)):
         if width % block or block < 16 or block & (block - 1):
@@ -329,7 +344,8 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     t_pad = tokens + pad_t
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     f32 = jnp.float32
-    sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size, dot_dtype)
+    sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size,
+                                               chunk_size * subchunks * m, dot_dtype)
     dvt, dstate, dinit = chunk_h_bwd_walk(
         k, w, g, runs, dh, dv_new, dfinal, chunk_size=chunk_size, num_householder=m,
         with_initial_state=with_initial_state, subchunks=subchunks, dot_dtype=dot_dtype,

@@ -21,6 +21,7 @@ from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.cumsum import expanded_log2_decays
 from gdp_jax.ops.wy import unit_lower_inverse, wy_bwd_pallas, wy_bwd_xla, wy_pallas, wy_xla
 from gdp_jax.ops.wy.pallas_bwd import BlockSizes
+from gdp_jax.ops.wy.pallas_fwd import BlockSizes as WyBlockSizes, default_substituted_rows
 from cases import assert_all_close, assert_close, rel_err, seed_of, to64, tolerance
 
 M = 2                        # Householder steps per token: gates sit at every M-th position
@@ -196,6 +197,38 @@ def test_wy_pallas_repeated_keys(sub_chunk):
     w, u = _forward(primals, sub_chunk)
     assert_close(w, w_ref, tolerance("float32", "cpu, ill-conditioned"), "w")
     assert_close(u, u_ref, tolerance("float32", "cpu, ill-conditioned"), "u")
+
+
+@pytest.mark.parametrize("rows,dtype", [(16, "bfloat16"), (8, "bfloat16"), (2, "bfloat16"),
+                                        (4, "float32")])
+def test_wy_pallas_substituted_rows(rows, dtype):
+    """Each width of the diagonal sub-blocks inverted by substitution (the rest of each diagonal
+    block by dots): T against (I + A)^{-1} and w, u against float64, with decays and segments;
+    the default (4 rows for 16-bit inputs here) is covered by the tests above."""
+    primals, _ = make_inputs(sub_chunk=64, num_sub_chunks=2, key_dim=32, value_dim=16,
+                             gated=True, segments=True, dtype=dtype)
+    w_ref, u_ref, t_ref = wy_numpy(primals, 64)
+    w, u, t_inv = jax.jit(functools.partial(
+        wy_pallas, sub_chunk=64, out_dtype=jnp.float32, interpret=True, return_inverse=True,
+        block_sizes=WyBlockSizes(substituted_rows=rows)))(*primals)
+    assert_close(t_inv, t_ref, tolerance("float32"), "inverse")
+    assert_close(w, w_ref, tolerance(dtype), "w")
+    assert_close(u, u_ref, tolerance(dtype), "u")
+
+
+def test_wy_default_substituted_rows_table():
+    """RESULTS.md, "WY kernel": 4 rows for 16-bit inputs up to K, V = 128, else 16; any other
+    width is refused."""
+    assert default_substituted_rows(jnp.bfloat16, 128, 128) == 4
+    assert default_substituted_rows(jnp.float16, 64, 32) == 4
+    assert default_substituted_rows(jnp.bfloat16, 256, 128) == 16   # the kernel spills: 1.19x with 4
+    assert default_substituted_rows(jnp.bfloat16, 128, 256) == 16
+    assert default_substituted_rows(jnp.float32, 128, 128) == 16    # IEEE float32 dots
+    primals, _ = make_inputs(sub_chunk=16, num_sub_chunks=2, key_dim=32, value_dim=16,
+                             gated=False, segments=False)
+    with pytest.raises(ValueError, match="substituted_rows must be 2, 4, 8 or 16; got 3"):
+        wy_pallas(*primals, sub_chunk=16, out_dtype=jnp.float32, interpret=True,
+                  block_sizes=WyBlockSizes(substituted_rows=3))
 
 
 @pytest.mark.parametrize("sub_chunk,gated,segments", [(16, False, True), (64, True, True)])

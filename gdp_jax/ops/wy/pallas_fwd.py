@@ -19,18 +19,21 @@ the sub-chunk's corrected values are v_new = u - w h_in with
     u = (I + A)^{-1} (beta v),        w = (I + A)^{-1} (beta live 2^gamma k).
 
 Inverse. (I + A)^{-1} is lower block-triangular over 16-row blocks. Each diagonal block is inverted by
-forward substitution (row i of T = e_i - sum_{c<i} A[i, c] T[c, :], 15 steps on a 16 x 16 tile, exact
-in float32), and the blocks below the diagonal follow from T_il = -T_ii sum_{l<=j<i} A_ij T_jl. The
-inverse is never formed at more than 16 x 16 granularity: w and u are accumulated block row by block
-row as sum_l T_il rhs_l.
+forward substitution (row i of T = e_i - sum_{c<i} A[i, c] T[c, :], exact in float32): for float32
+inputs over the whole 16 x 16 tile (15 steps); for 16-bit inputs over its four 4 x 4 diagonal
+sub-blocks at once (3 steps), the rest of the block then following by dots in two doublings (8 x 8,
+then 16 x 16: a 2 x 2 block-triangular inverse has T_21 = -T_22 A_21 T_11). The blocks below the
+diagonal follow from T_il = -T_ii sum_{l<=j<i} A_ij T_jl. The inverse is never
+formed at more than 16 x 16 granularity: w and u are accumulated block row by block row as
+sum_l T_il rhs_l.
 
 Precision, by input dtype (RESULTS.md, "Dtype rules of the full op"):
 
 | | float32 inputs | 16-bit inputs |
 |---|---|---|
 | gram blocks k_i k_l^T | IEEE float32 | 16-bit operands, float32 accumulation (exact products) |
-| diagonal blocks' substitution | float32 | float32 |
-| blocks of T below the diagonal | IEEE float32 (errors in T multiply every later value) | TF32 tensor-core dots (T is rounded to 16 bits before it is applied) |
+| diagonal blocks' substitution | float32, whole blocks | float32, 4 x 4 sub-blocks |
+| the rest of the diagonal blocks, blocks of T below the diagonal | IEEE float32 (errors in T multiply every later value) | TF32 tensor-core dots (T is rounded to 16 bits before it is applied) |
 | applying T to the right-hand sides | IEEE float32 | T and the right-hand sides rounded to 16 bits, float32 accumulation, as fla does (w and u are stored in 16 bits) |
 
 Grid (H, sub-chunks, B), heads fastest; no program reads another's output.
@@ -54,13 +57,31 @@ _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Launch parameters of the WY kernel (one program per sub-chunk). The program's serial part,
-    the 15 substitution steps, favours small programs: 2 warps (RESULTS.md, "WY kernel")."""
+    the substitution steps, favours small programs: 2 warps (RESULTS.md, "WY kernel").
+    ``substituted_rows``: the diagonal sub-blocks inverted by substitution, 16, 8, 4 or 2 rows
+    (None: ``default_substituted_rows``)."""
     num_warps: int = 2
     num_stages: int = 1
+    substituted_rows: Optional[int] = None
+
+
+def default_substituted_rows(dtype, key_dim: int, value_dim: int) -> int:
+    """Rows of the diagonal sub-blocks inverted by substitution, for the inputs' dtype and the
+    padded K, V (RESULTS.md, "WY kernel"):
+
+    | case | rows | why |
+    |---|---|---|
+    | 16-bit inputs, K, V <= 128 | 4 | 3 serial steps and 4 dots a block: 0.88x the time of 16 (8: 0.93x, 2: 0.90x) |
+    | 16-bit inputs, K or V = 256 | 16 | the kernel spills there; 4 took the op's forward to 1.19x |
+    | float32 inputs | 16 | the extra dots would be IEEE float32 FMA loops |
+    """
+    if jnp.dtype(dtype).itemsize == 2 and max(key_dim, value_dim) <= 128:
+        return 4
+    return _BLOCK
 
 
 def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
-               key_scale_ref, *, sub_chunk: int):
+               key_scale_ref, *, sub_chunk: int, substituted_rows: int):
     f32 = jnp.float32
     sixteen_bit = jnp.dtype(k_ref.dtype).itemsize == 2
     nb = sub_chunk // _BLOCK
@@ -102,15 +123,32 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, invers
     for i in range(nb):
         a_diag = jnp.where(block_of == i, a[i, i][None, :, :], a_diag)
 
-    def substitute(step, t_diag):             # row `step` of every diagonal block's inverse
-        a_row = jnp.sum(jnp.where(r3 == step, a_diag, 0.0), axis=1)        # A_ii[step, :], [nb, 16]
-        new_row = -jnp.sum(a_row[:, :, None] * t_diag, axis=1)             # -sum_c A[step, c] T[c, :]
-        return t_diag + jnp.where(r3 == step, new_row[:, None, :], 0.0)
-
-    t_diag = jax.lax.fori_loop(1, _BLOCK, substitute, (r3 == c3).astype(f32))
-    t = {(i, i): jnp.sum(jnp.where(block_of == i, t_diag, 0.0), axis=0) for i in range(nb)}
     hdot = functools.partial(plgpu.dot, precision=HIGHEST)
     inverse_dot = functools.partial(plgpu.dot, precision=None) if sixteen_bit else hdot
+    # The diagonal blocks' sub-blocks of `sub` rows are substituted together (sub - 1 steps); the
+    # rest of each block follows by dots, doubling the inverted width: T = T_h - T_h L T_h, T_h the
+    # inverse of the two halves, L the lower-left quarter (a 2 x 2 block-triangular inverse).
+    sub = substituted_rows
+    same_sub = (r3 // sub) == (c3 // sub)
+    a_subs = jnp.where(same_sub, a_diag, 0.0)
+
+    def substitute(step, t_diag):   # row `step` of every sub-block's inverse
+        rows = (r3 % sub) == step
+        # The sub-blocks' rows `step` share one vector per block: their nonzero columns are disjoint.
+        a_row = jnp.sum(jnp.where(rows, a_subs, 0.0), axis=1)              # [nb, 16]
+        new_row = -jnp.sum(a_row[:, :, None] * t_diag, axis=1)             # -sum_c A[step, c] T[c, :]
+        return t_diag + jnp.where(rows & same_sub, new_row[:, None, :], 0.0)
+
+    t_diag = jax.lax.fori_loop(1, sub, substitute, (r3 == c3).astype(f32))
+    t = {(i, i): jnp.sum(jnp.where(block_of == i, t_diag, 0.0), axis=0) for i in range(nb)}
+    width = sub
+    while width < _BLOCK:
+        lower_left = ((r16 // (2 * width)) == (c16 // (2 * width))) & (r16 % (2 * width) >= width) \
+            & (c16 % (2 * width) < width)
+        for i in range(nb):
+            quarter = inverse_dot(jnp.where(lower_left, a[i, i], 0.0), t[i, i])
+            t[i, i] = t[i, i] - inverse_dot(t[i, i], quarter)
+        width *= 2
     for i in range(1, nb):
         for l in range(i - 1, -1, -1):
             acc = sum(inverse_dot(a[i, j], t[j, l]) for j in range(l, i))
@@ -167,6 +205,9 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
     sizes = block_sizes or BlockSizes()
+    substituted_rows = sizes.substituted_rows or default_substituted_rows(k.dtype, key_dim, value_dim)
+    if substituted_rows not in (2, 4, 8, 16):
+        raise ValueError(f"wy_pallas: substituted_rows must be 2, 4, 8 or 16; got {substituted_rows}")
     if positions % sub_chunk or sub_chunk % _BLOCK or sub_chunk > 64:
         raise ValueError(f"wy_pallas: positions {positions} must be a multiple of sub_chunk {sub_chunk}, "
                          f"itself a multiple of {_BLOCK} and at most 64")
@@ -185,8 +226,9 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
                  if normalize_keys else None)
     out_specs = (rows(key_dim), rows(value_dim), rows(sub_chunk) if return_inverse else None,
                  per_position if normalize_keys else None)
+    kernel = functools.partial(_wy_kernel, sub_chunk=sub_chunk, substituted_rows=substituted_rows)
     w, u, inverse, key_scale = triton_call(
-        functools.partial(_wy_kernel, sub_chunk=sub_chunk), *operands, name="gdp_wy_fwd",
+        kernel, *operands, name="gdp_wy_fwd",
         grid=(heads, positions // sub_chunk, batch), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, num_warps=sizes.num_warps, num_stages=sizes.num_stages,
         interpret=interpret)

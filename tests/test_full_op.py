@@ -166,13 +166,13 @@ def test_defaults_and_no_final_state():
 # which the walk and chunk_o apply; q's factors reach chunk_o's outputs. Each chunk_o variant:
 # whole rows (float32, K 32; M = 3 at chunk 32, copy order "fused") and its K loop (16-bit,
 # chunk 64, K 128: 32-key steps at M = 2, the value-column loop at M = 3).
-# No segment ids: with them the op keeps the normalisation a separate step
-# (dispatch.l2norm_fused).
+# With and without segment ids; K = 256 (the WY kernel's widest keys).
 L2NORM_FORWARD_CASES = [
     Case(77, 32, 16, 2, 16, segments=False),
-    Case(130, 16, 32, 3, 32, dtype="bfloat16", initial_state=False, segments=False),
+    Case(130, 16, 32, 3, 32, dtype="bfloat16", initial_state=False),
     Case(70, 128, 64, 2, 64, dtype="bfloat16", batch=1, segments=False),
-    Case(70, 100, 128, 3, 64, dtype="bfloat16", batch=1, gated=False, segments=False),
+    Case(70, 100, 128, 3, 64, dtype="bfloat16", batch=1, gated=False),
+    Case(45, 256, 32, 1, 64, dtype="bfloat16", batch=1, heads=1),
 ]
 
 
@@ -217,41 +217,37 @@ def test_l2norm_forward_inside_the_kernels(case, monkeypatch):
 
 
 def test_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
-    """Where the undifferentiated forward is fused (no segment ids; threshold lowered), the
+    """Where the undifferentiated forward is fused (threshold lowered), the
     gradient goes through _l2norm_op's custom_vjp (its forward rule the composed op, its
     backward that op's VJP): every input's gradient against float64 autodiff of the
     recurrence, and the op's value under value_and_grad."""
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
-    case = Case(37, 16, 8, 2, 16, segments=False)
+    case = Case(37, 16, 8, 2, 16)
     p = build(case, qk_l2norm=True)
     op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
-                           use_qk_l2norm=True, chunk_size=case.chunk_size,
-                           implementation="interpret")
+                           segment_ids=p.segment_ids, use_qk_l2norm=True,
+                           chunk_size=case.chunk_size, implementation="interpret")
     assert _outside_kernels(jax.make_jaxpr(op)(*p.full_args()).jaxpr, "rsqrt") == 1   # fused
     _check_gradients(p, op, qk_l2norm=True)
 
 
 def test_l2norm_fused_rule(monkeypatch):
-    """dispatch.l2norm_fused's table: Triton kernels throughout, K padded to at most 128, no
-    segment ids, at least 128 walk programs; and the op follows it: q and k are normalised
-    outside the kernels (two rsqrt) with segment ids, or with too few walk programs (B * H *
-    value blocks of 64: here 2 * 2 * 1), and inside them (one, q's factors) once the threshold
-    is lowered to the problem's programs."""
+    """dispatch.l2norm_fused's table: Triton kernels throughout, at least 128 walk programs; and
+    the op follows it: q and k are normalised outside the kernels (two rsqrt) with too few walk
+    programs (B * H * value blocks of 64: here 2 * 2 * 1), and inside them (one, q's factors)
+    once the threshold is lowered to the problem's programs, with or without segment ids."""
     fused = dispatch.l2norm_fused
-    assert fused("pallas", "pallas", 128, False, 256)
-    assert fused("interpret", "interpret", 100, False, 128)
-    assert not fused("pallas", "pallas", 129, False, 256)       # K padded to 256
-    assert not fused("pallas", "pallas", 128, True, 256)        # segment ids
-    assert not fused("pallas", "pallas", 128, False, 127)       # B1 H16 V128 has 32
-    assert not fused("xla", "xla", 64, False, 256) and not fused("pallas", "xla", 64, False, 256)
-    assert not fused("pallas", "mosaic", 64, False, 256)
+    assert fused("pallas", "pallas", 256) and fused("interpret", "interpret", 128)
+    assert not fused("pallas", "pallas", 127)                   # B1 H16 V128 has 32
+    assert not fused("xla", "xla", 256) and not fused("pallas", "xla", 256)
+    assert not fused("pallas", "mosaic", 256)
     p = build(Case(40, 32, 16, 2, 16), qk_l2norm=True)
     rsqrts = lambda **kw: _outside_kernels(jax.make_jaxpr(functools.partial(
         gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True, chunk_size=16,
         implementation="interpret", **kw))(*p.full_args()).jaxpr, "rsqrt")
     assert rsqrts(segment_ids=p.segment_ids) == 2 and rsqrts() == 2
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 4)
-    assert rsqrts(segment_ids=p.segment_ids) == 2 and rsqrts() == 1
+    assert rsqrts(segment_ids=p.segment_ids) == 1 and rsqrts() == 1
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 5)
     assert rsqrts() == 2
 

@@ -375,16 +375,20 @@ def test_full_op(case, l2norm):
     assert_all_close(grads, {n: expected[n] for n in names}, gpu_tol(case.dtype))
 
 
-# use_qk_l2norm's undifferentiated forward (no segment ids: dispatch.l2norm_fused), the keys
-# normalised in the compiled WY kernel and the factors applied by the walk and chunk_o, for each
-# chunk_o variant: its K loop at K = 128 (M = 1: 64-key steps; M = 2: 32-key steps; M = 3: with
-# the value-column loop; K = 100 padded), whole rows (K = 64, four chunks a program; float32).
+# use_qk_l2norm's undifferentiated forward (dispatch.l2norm_fused), the keys' factors made in the
+# compiled WY kernel and applied there, by the walk and by chunk_o, for each chunk_o variant: its
+# K loop at K = 128 (M = 1: 64-key steps; M = 2: 32-key steps; M = 3: with the value-column loop;
+# K = 100 padded), whole rows (K = 64, four chunks a program; float32); with segment ids, and at
+# K = 256 (K = 200 padded).
 L2NORM_FORWARD_CASES = [
     Case(1000, 128, 128, 1, 64, dtype="float16", heads=4, segments=False),
     Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4, segments=False),
     Case(963, 100, 200, 3, 64, dtype="bfloat16", heads=4, segments=False),
     Case(1000, 64, 64, 2, 64, dtype="bfloat16", heads=4, segments=False),
     Case(333, 128, 64, 2, 64, heads=3, segments=False),
+    Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4),
+    Case(1000, 256, 256, 2, 64, dtype="bfloat16", heads=2),
+    Case(700, 200, 96, 3, 64, dtype="bfloat16", heads=2),
 ]
 
 
@@ -407,9 +411,8 @@ def test_full_op_l2norm_forward(case, monkeypatch):
 
 
 def test_full_op_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
-    """test_full_op's checks (o, final state, every input's gradient) with use_qk_l2norm and no
-    segment ids, the threshold lowered, so the gradient goes through the fused forward's
-    custom_vjp."""
+    """test_full_op's checks (o, final state, every input's gradient) with use_qk_l2norm, the
+    threshold lowered, so the gradient goes through the fused forward's custom_vjp."""
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
     test_full_op(Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4, segments=False), True)
 

@@ -20,7 +20,7 @@ Where a request cannot run as asked, it runs the next implementation down, never
 | "pallas" chunk_o backward where the Mosaic one runs (jax >= 0.11) | the Mosaic GPU backward | 1.2-1.4x faster than the Triton backward on an H200 (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
 | "mosaic", the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
 | use_qk_l2norm under "pallas" / "interpret", rows not one power-of-two tile up to 256, or 2^31 elements or more | autodiff of the jnp formula | the backward kernel (``ops.l2norm``) takes one tile per row and 32-bit offsets |
-| use_qk_l2norm, the full op's forward when not differentiated, on the Triton kernels, K <= 128, no segment ids, at least 128 walk programs | q and k normalised inside the kernels (``l2norm_fused``) | two XLA passes fewer (RESULTS.md, "use_qk_l2norm") |
+| use_qk_l2norm, the full op's forward when not differentiated, on the Triton kernels, at least 128 walk programs | q and k normalised inside the kernels (``l2norm_fused``) | two XLA passes fewer (RESULTS.md, "use_qk_l2norm") |
 
 The interpreters have no shared-memory limit and run every 2- and 4-byte input (the Mosaic GPU
 one: what ``mosaic_supported`` accepts). The dtype rules of the full op's Pallas path are the
@@ -170,26 +170,22 @@ def states_implementation(implementation: str, dtype, key_dim: int, value_dim: i
 L2NORM_FUSED_MIN_WALK_PROGRAMS = 128
 
 
-def l2norm_fused(states: str, chunk_o_forward: str, key_dim: int, segmented: bool,
-                 walk_programs: int) -> bool:
+def l2norm_fused(states: str, chunk_o_forward: str, walk_programs: int) -> bool:
     """Whether the full op's undifferentiated forward normalises q and k inside its kernels
     (use_qk_l2norm), given what ``states_implementation`` and ``chunk_o_implementation``
-    answered, K, whether rows are packed (segment ids) and the state walk's program count
-    (B * H * value blocks of 64). Under differentiation the normalisation stays a separate step
-    (``ops.l2norm``), whose VJP the backward needs. Rows, first match wins (RESULTS.md,
+    answered and the state walk's program count (B * H * value blocks of 64). Under
+    differentiation the normalisation stays a separate step (``ops.l2norm``), whose VJP the
+    backward needs. Rows, first match wins (RESULTS.md,
     "use_qk_l2norm"):
 
     | case | fused | why |
     |---|---|---|
     | a stage off the Triton kernels ("xla", Mosaic chunk_o) | no | only the Triton kernels take the factors |
-    | K padded above 128 | no | the WY kernel's normalised key tiles spill: 2.96 against 1.73 ms at K = 256 |
-    | segment ids | no | the WY kernel with segments and normalised tiles: 0.87 against 0.72 ms; the op level |
     | fewer than L2NORM_FUSED_MIN_WALK_PROGRAMS walk programs | no | B1 T65536 H16 (32 programs): the op 1.05x, the walk 0.6 ms slower |
-    | otherwise | yes | the op's forward 0.93-0.95x (128 and 256 walk programs): two XLA passes for one reduction over q |
+    | otherwise | yes | the op's forward 0.93-0.94x (M = 2 at K = 128 and 256, 16 segments a row): two XLA passes for one reduction over q |
     """
     kernels = states == chunk_o_forward and states in ("pallas", "interpret")
-    return (kernels and tile_width(key_dim) <= 128 and not segmented
-            and walk_programs >= L2NORM_FUSED_MIN_WALK_PROGRAMS)
+    return kernels and walk_programs >= L2NORM_FUSED_MIN_WALK_PROGRAMS
 
 
 def l2norm_implementation(implementation: str, dtype, width: int, size: int) -> str:

@@ -75,7 +75,7 @@ def stream_layout(x: jax.Array, padded_width: int, pad_tokens: int, num_househol
 
 def l2norm_factor(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
     """(sum_d x_d^2 + eps)^(-1/2) over the last axis of x [..., D], float32 [...]: what
-    ``l2norm`` multiplies each row by (the WY kernel traces it on its loaded key tiles too)."""
+    ``l2norm`` multiplies each row by."""
     x32 = x.astype(jnp.float32)
     return jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1) + eps)
 

@@ -67,10 +67,9 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
         wherever the id changes. Not differentiable.
       use_qk_l2norm: L2-normalise q and k (per position, eps 1e-6) inside the op; the gradient
         flows through the normalisation. Undifferentiated on the Triton kernels, where
-        ``dispatch.l2norm_fused`` takes it (K <= 128, no segment ids, B * H * ceil(V / 64) >=
-        128), the kernels apply the normalisation themselves and no normalised copy is written;
-        o then differs from the differentiated call's by about one rounding of the inputs'
-        dtype.
+        ``dispatch.l2norm_fused`` takes it (B * H * ceil(V / 64) >= 128), the kernels apply
+        the normalisation themselves and no normalised copy is written; o then differs from
+        the differentiated call's by about one rounding of the inputs' dtype.
       chunk_size: power of two in [16, 128].
       implementation: "pallas", "xla", "interpret", "mosaic", "mosaic_interpret" or None, as for
         chunk_gdp_fwd_o: "xla" is jnp throughout; "pallas" (GPU) and "interpret" run the WY,
@@ -109,7 +108,7 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
     runs = None if segment_ids is None else segment_runs(jnp.asarray(segment_ids))
     config = _OpConfig(scale=scale, chunk_size=chunk_size, num_householder=m,
                        implementation=implementation)
-    if use_qk_l2norm and _l2norm_fused(config, q, value_dim, runs is not None):
+    if use_qk_l2norm and _l2norm_fused(config, q, value_dim):
         o, final_state = _l2norm_op(q, k, v, g, beta, runs, initial_state, config)
     else:
         o, final_state = _composed(q, k, v, g, beta, runs, initial_state, config, use_qk_l2norm)
@@ -139,7 +138,7 @@ def _composed(q, k, v, g, beta, runs, initial_state, config: _OpConfig, use_qk_l
     return o, final_state
 
 
-def _l2norm_fused(config: _OpConfig, q, value_dim: int, segmented: bool) -> bool:
+def _l2norm_fused(config: _OpConfig, q, value_dim: int) -> bool:
     """``dispatch.l2norm_fused`` for this op's stages (q [B, T, H, K])."""
     batch, _, heads, key_dim = q.shape
     states = dispatch.states_implementation(config.implementation, q.dtype, key_dim, value_dim)
@@ -148,7 +147,7 @@ def _l2norm_fused(config: _OpConfig, q, value_dim: int, segmented: bool) -> bool
         dispatch.work_dtype(q.dtype))
     value_width = tile_width(value_dim)
     walk_programs = batch * heads * (value_width // min(value_width, 64))
-    return dispatch.l2norm_fused(states, chunk_o_forward, key_dim, segmented, walk_programs)
+    return dispatch.l2norm_fused(states, chunk_o_forward, walk_programs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax._src.layout import l2norm_factor
+from gdp_jax._src.layout import L2NORM_EPS
 from gdp_jax._src.pallas import plgpu, HIGHEST, triton_call
 
 _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
@@ -93,20 +93,33 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, invers
     gamma = [gamma_ref[rows_of(i)] for i in range(nb)] if has_g else None
     run = [runs_ref[rows_of(i)] for i in range(nb)] if has_segments else None
     keys = [k_ref[rows_of(i), :] for i in range(nb)]                      # inputs' dtype, [16, K]
-    if key_scale_ref is not None:     # keys normalised as loaded; their factors kept for the walk
-        for i in range(nb):
-            key_scale = l2norm_factor(keys[i])
-            key_scale_ref[rows_of(i)] = key_scale
-            keys[i] = (keys[i].astype(f32) * key_scale[:, None]).astype(k_ref.dtype)
     r16 = jax.lax.broadcasted_iota(jnp.int32, (_BLOCK, _BLOCK), 0)
     c16 = jax.lax.broadcasted_iota(jnp.int32, (_BLOCK, _BLOCK), 1)
+    gram_of = lambda i, l: plgpu.dot(keys[i], keys[l], trans_b=True, precision=gram_precision)
+    grams = {}                                # [16, 16] float32 k_i k_l^T
+    # use_qk_l2norm: the keys' factors s = (|k|^2 + eps)^(-1/2) from the diagonals of the
+    # diagonal gram blocks, as rows and as columns. They scale A (s_j s_i) and w's right-hand side
+    # (s_j) and go to the walk; the key tiles stay as loaded (normalised copies of them spill at
+    # K = 256 and with segments: RESULTS.md, "use_qk_l2norm").
+    scale_rows = scale_cols = None
+    if key_scale_ref is not None:
+        scale_rows, scale_cols = [], []
+        for i in range(nb):
+            grams[i, i] = gram_of(i, i)
+            diagonal = jnp.where(r16 == c16, grams[i, i], 0.0)
+            scale_rows.append(jax.lax.rsqrt(jnp.sum(diagonal, axis=1) + L2NORM_EPS))
+            scale_cols.append(jax.lax.rsqrt(jnp.sum(diagonal, axis=0) + L2NORM_EPS))
+            key_scale_ref[rows_of(i)] = scale_rows[i]
 
     def a_block(i, l):                        # A[rows of block i, columns of block l], l <= i
-        gram = plgpu.dot(keys[i], keys[l], trans_b=True, precision=gram_precision)   # [16, 16] f32
+        gram = grams[i, l] if (i, l) in grams else gram_of(i, l)
         mask = (r16 > c16) if i == l else jnp.ones((_BLOCK, _BLOCK), bool)
         if has_segments:
             mask &= run[i][:, None] == run[l][None, :]
-        coeff = beta[i][:, None] * jnp.ones((1, _BLOCK), f32)
+        if scale_rows is None:
+            coeff = beta[i][:, None] * jnp.ones((1, _BLOCK), f32)
+        else:
+            coeff = (beta[i] * scale_rows[i])[:, None] * scale_cols[l][None, :]
         if has_g:  # mask the exponent first: above the diagonal it would be positive
             coeff *= jnp.exp2(jnp.where(mask, gamma[i][:, None] - gamma[l][None, :], 0.0))
         return jnp.where(mask, coeff * gram, 0.0)
@@ -167,7 +180,7 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, invers
         w_acc = None
         for l in range(i + 1):
             scale_u = beta[l]
-            scale_w = beta[l]
+            scale_w = beta[l] if scale_rows is None else beta[l] * scale_rows[l]
             if has_g:
                 scale_w = scale_w * jnp.exp2(gamma[l])
             if has_segments:
@@ -198,9 +211,10 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     gamma [B, P, H] float32 sub-chunk-local log2 decays (``cumsum.expanded_log2_decays``) or None;
     runs [B, P] int32 run numbers per position or None. P must be a multiple of ``sub_chunk`` (a
     multiple of 16, at most 64) and K, V powers of two >= 16: the caller pads (zero keys, values and
-    betas; padding positions change nothing). ``normalize_keys``: k is L2-normalised per position
-    as loaded (``layout.l2norm``'s formula), as if the caller had normalised it, and the factors
-    (sum_d k_d^2 + eps)^(-1/2) come back last, [B, P, H] float32.
+    betas; padding positions change nothing). ``normalize_keys``: w and u are those of k L2-normalised per
+    position (``layout.l2norm``'s formula, the squares summed by the gram's diagonal), as if the
+    caller had normalised it, and the factors (sum_d k_d^2 + eps)^(-1/2) come back last,
+    [B, P, H] float32.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]

@@ -162,7 +162,7 @@ def test_defaults_and_no_final_state():
     assert_close(o, p.ref["o"] * 0.3 * BASE.key_dim ** 0.5, tolerance("float32"))
 
 
-# use_qk_l2norm's undifferentiated forward: the WY kernel normalises k and returns the factors,
+# use_qk_l2norm's undifferentiated forward: the WY kernel applies k's factors and returns them,
 # which the walk and chunk_o apply; q's factors reach chunk_o's outputs. Each chunk_o variant:
 # whole rows (float32, K 32; M = 3 at chunk 32, copy order "fused") and its K loop (16-bit,
 # chunk 64, K 128: 32-key steps at M = 2, the value-column loop at M = 3).

@@ -153,8 +153,8 @@ def _l2norm_fused(config: _OpConfig, q, value_dim: int) -> bool:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _l2norm_op(q, k, v, g, beta, runs, initial_state, config: _OpConfig):
     """The op with use_qk_l2norm. Undifferentiated, no normalised copy of q or k is written: the
-    WY kernel normalises the keys it loads and returns their factors, which the walk and chunk_o
-    apply as row and column factors; q's factors take one XLA reduction and reach chunk_o's
+    WY kernel takes the keys' factors from its gram's diagonal, applies them and returns them,
+    and the walk and chunk_o apply them as row and column factors; q's factors take one XLA reduction and reach chunk_o's
     outputs. Differentiated, ``_composed`` (the normalisation as its own step, with its VJP
     kernel), forward and backward."""
     interpret = config.implementation == "interpret"
@@ -285,7 +285,7 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     v_new_p [B, P_pad, H, Vp].
 
     ``normalize_keys`` (use_qk_l2norm, the undifferentiated forward only): the WY kernel
-    L2-normalises k per position as it loads it and returns the factors, which the walk applies;
+    solves for k L2-normalised per position and returns the factors, which the walk applies;
     the results are then (h, v_new, final_state, key_scale [B, T*M, H] float32).
     """
     positions, key_dim = k.shape[1], k.shape[3]

@@ -73,11 +73,17 @@ def stream_layout(x: jax.Array, padded_width: int, pad_tokens: int, num_househol
     return x.reshape(batch, positions // m + pad_tokens, m, heads, padded_width)
 
 
+def l2norm_scale(sum_of_squares: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
+    """(sum_of_squares + eps)^(-1/2): l2norm's factor of a row, from its float32 sum of squares
+    (the WY kernel has it on its gram's diagonal)."""
+    return jax.lax.rsqrt(sum_of_squares + eps)
+
+
 def l2norm_factor(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
     """(sum_d x_d^2 + eps)^(-1/2) over the last axis of x [..., D], float32 [...]: what
     ``l2norm`` multiplies each row by."""
     x32 = x.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1) + eps)
+    return l2norm_scale(jnp.sum(x32 * x32, axis=-1), eps)
 
 
 def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:

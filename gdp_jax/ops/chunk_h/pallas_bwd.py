@@ -117,13 +117,13 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_
     """
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     warps = 8 if chunk_size >= 128 else 4
-    sixteen_bit = jnp.dtype(dot_dtype).itemsize == 2
-    if sixteen_bit and kp <= 128:
+    itemsize = jnp.dtype(dot_dtype).itemsize
+    if itemsize == 2 and kp <= 128:
         block_k, block_v = kp, min(vp, 64)
     else:
         block_k, block_v = min(kp, 64), min(vp, 32 if kp <= 128 else 16)
-    step_bytes = rows_per_step * (2 * kp + block_v) * jnp.dtype(dot_dtype).itemsize
-    stages = 2 if sixteen_bit and step_bytes <= TWO_STAGE_STEP_BYTES else 1
+    step_bytes = rows_per_step * (2 * kp + block_v) * itemsize
+    stages = 2 if itemsize == 2 and step_bytes <= TWO_STAGE_STEP_BYTES else 1
     return BlockSizes(block_k=block_k, block_v=block_v, num_warps=warps, num_stages=stages)
 
 

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdp_jax._src.layout import L2NORM_EPS
+from gdp_jax._src.layout import l2norm_scale
 from gdp_jax._src.pallas import plgpu, HIGHEST, triton_call
 
 _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
@@ -107,8 +107,8 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, invers
         for i in range(nb):
             grams[i, i] = gram_of(i, i)
             diagonal = jnp.where(r16 == c16, grams[i, i], 0.0)
-            scale_rows.append(jax.lax.rsqrt(jnp.sum(diagonal, axis=1) + L2NORM_EPS))
-            scale_cols.append(jax.lax.rsqrt(jnp.sum(diagonal, axis=0) + L2NORM_EPS))
+            scale_rows.append(l2norm_scale(jnp.sum(diagonal, axis=1)))
+            scale_cols.append(l2norm_scale(jnp.sum(diagonal, axis=0)))
             key_scale_ref[rows_of(i)] = scale_rows[i]
 
     def a_block(i, l):                        # A[rows of block i, columns of block l], l <= i
@@ -211,10 +211,10 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     gamma [B, P, H] float32 sub-chunk-local log2 decays (``cumsum.expanded_log2_decays``) or None;
     runs [B, P] int32 run numbers per position or None. P must be a multiple of ``sub_chunk`` (a
     multiple of 16, at most 64) and K, V powers of two >= 16: the caller pads (zero keys, values and
-    betas; padding positions change nothing). ``normalize_keys``: w and u are those of k L2-normalised per
-    position (``layout.l2norm``'s formula, the squares summed by the gram's diagonal), as if the
-    caller had normalised it, and the factors (sum_d k_d^2 + eps)^(-1/2) come back last,
-    [B, P, H] float32.
+    betas; padding positions change nothing). ``normalize_keys``: w and u are those of k
+    L2-normalised per position (``layout.l2norm``'s formula, the squares summed by the gram's
+    diagonal), as if the caller had normalised it, and the factors (sum_d k_d^2 + eps)^(-1/2)
+    come back last, [B, P, H] float32.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]

@@ -338,3 +338,77 @@ def test_wy_bwd_dk_accumulate_and_out_dtype():
     assert_close(got[1], want["dv"], tolerance("bfloat16"), "dv")
     assert_close(got[2], want["dbeta"], tolerance("float32"), "dbeta")
     assert_close(got[3], want["dgamma"], tolerance("float32"), "dgamma")
+
+
+def _walk_epilogue_loss(k, v, beta, gamma, runs, h, dstate, dvt, v_new, *, sub_chunk):
+    """The scalar whose gradient in (k, v, beta, gamma) ``wy_bwd_pallas(walk=...)`` returns, in
+    float64: per sub-chunk c, with the walk's cotangents dvt (of v_new) and dS_c (of S_out[c]),
+
+        <dvt, u - w h_c> + <dS_c, d h_c + (a ∘ k)^T v_new>,
+
+    v_new held fixed in the second term (its cotangent is already in dvt); a_j = [run_j ==
+    run_last] 2^(gamma_last - gamma_j), d = [run_first == run_last] 2^gamma_last (``chunk_h``'s
+    walk over sub-chunks)."""
+    batch, positions, heads, _ = k.shape
+    n, s = positions // sub_chunk, sub_chunk
+    w, u, _ = wy_dense(k, v, beta, gamma, runs, sub_chunk=sub_chunk)
+    per = lambda x: x.reshape((batch, n, s) + x.shape[2:])                 # [B, n, S, H, ...]
+    gc = jnp.zeros((batch, n, s, heads), k.dtype) if gamma is None else per(gamma)
+    rc = jnp.zeros((batch, n, s), jnp.int32) if runs is None else per(runs)
+    g_last = gc[:, :, -1:, :]
+    a = jnp.where((rc == rc[:, :, -1:])[..., None], jnp.exp2(g_last - gc), 0.0)   # [B, n, S, H]
+    d = jnp.where((rc[:, :, 0] == rc[:, :, -1])[..., None], jnp.exp2(g_last[:, :, 0]), 0.0)
+    hi = jax.lax.Precision.HIGHEST
+    w_h = jnp.einsum("bnshk,bnhkv->bnshv", per(w), h, precision=hi)
+    kd_v = jnp.einsum("bnshk,bnshv->bnhkv", a[..., None] * per(k), jax.lax.stop_gradient(per(v_new)),
+                      precision=hi)
+    return (jnp.sum(per(dvt) * (per(u) - w_h))
+            + jnp.sum(dstate * (d[..., None, None] * h + kd_v)))
+
+
+@pytest.mark.parametrize("sub_chunk,gated,segments,block_cols", [
+    (64, True, True, 16), (64, False, True, 32), (16, True, False, 64), (32, True, True, 32)])
+def test_wy_bwd_with_walk_epilogue_against_float64_autodiff(sub_chunk, gated, segments, block_cols):
+    """``walk=``: the reverse walk's epilogue in the WY VJP kernel (dw = -dvt h^T never stored,
+    M T^T taken as dvt v_new^T, the walk's shares of dk and dgamma added), against float64
+    autodiff of the scalar ``_walk_epilogue_loss`` states; v_new is u - w h as the forward made it."""
+    primals, (_, dvt) = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=3, key_dim=32,
+                                    value_dim=64, gated=gated, segments=segments)
+    k, v, beta, gamma, runs = primals
+    batch, positions, heads, key_dim = k.shape
+    value_dim, n = v.shape[-1], positions // sub_chunk
+    rng = np.random.default_rng(seed_of("walk-epilogue", sub_chunk, gated, segments))
+    h = rng.normal(size=(batch, n, heads, key_dim, value_dim))
+    dstate = rng.normal(size=h.shape)
+    w, u, _ = wy_numpy(primals, sub_chunk)
+    per = lambda x: x.reshape((batch, n, sub_chunk) + x.shape[2:])
+    v_new = (per(u) - np.einsum("bnshk,bnhkv->bnshv", per(w), h)).reshape(v.shape)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    inverse = _forward(primals, sub_chunk, return_inverse=True)[2]
+    got = jax.jit(functools.partial(wy_bwd_pallas, sub_chunk=sub_chunk, interpret=True,
+                                    block_sizes=BlockSizes(block_cols=block_cols)))(
+        k, v, beta, gamma, runs, inverse, None, dvt, walk=(f32(h), f32(dstate), f32(v_new)))
+    with jax.enable_x64(True):
+        wide = lambda x: jnp.asarray(to64(x))
+        fixed = dict(runs=None if runs is None else jnp.asarray(runs), h=wide(h),
+                     dstate=wide(dstate), dvt=wide(dvt), v_new=wide(np.asarray(f32(v_new))))
+        loss = lambda k, v, beta, *g: _walk_epilogue_loss(
+            k, v, beta, g[0] if g else None, sub_chunk=sub_chunk, **fixed)
+        args = tuple(wide(x) for x in (k, v, beta)) + (() if gamma is None else (wide(gamma),))
+        grads = [np.asarray(x) for x in jax.grad(loss, argnums=tuple(range(len(args))))(*args)]
+    want = dict(zip(NAMES, grads + [None] * (4 - len(grads))))
+    assert_all_close(dict(zip(NAMES, got)), want, tolerance("float32"))
+
+
+def test_wy_bwd_walk_argument_errors():
+    primals, (dw, du) = make_inputs(sub_chunk=16, num_sub_chunks=3, key_dim=32, value_dim=64,
+                                    gated=False, segments=False)
+    k, v = primals[:2]
+    inverse = _forward(primals, 16, return_inverse=True)[2]
+    states = jnp.zeros((2, 3, 2, 32, 64))
+    with pytest.raises(ValueError, match="exactly one of dw and walk"):
+        wy_bwd_pallas(*primals, inverse, dw, du, sub_chunk=16, walk=(states, states, v),
+                      interpret=True)
+    with pytest.raises(ValueError, match=r"walk's h and dS must be \[B, P/S, H, K, V\]"):
+        wy_bwd_pallas(*primals, inverse, None, du, sub_chunk=16, walk=(states[:, :2], states, v),
+                      interpret=True)

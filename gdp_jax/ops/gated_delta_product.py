@@ -29,7 +29,7 @@ from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
 from gdp_jax._src.layout import l2norm_factor, pad_state, tile_width
 from gdp_jax._src.segments import segment_runs
-from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas, chunk_h_bwd_walk
+from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas
 from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
 from gdp_jax.ops.chunk_h.xla import chunk_h_xla
 from gdp_jax.ops.chunk_o import chunk_o, chunk_o_scaled_forward
@@ -336,17 +336,14 @@ def _states_fwd(k, v, beta, g, runs, initial_state, config):
 def _states_bwd(config, residuals, cotangents):
     """Reverse of states_pallas on the sub-chunk grid, exact:
 
-    1. the reverse walk (``chunk_h_bwd_walk``; h's cotangent enters at token-chunk boundaries)
-       -> du (its dvt), the state cotangent before every sub-chunk, dh0;
-    2. one kernel per sub-chunk, ``wy_bwd_pallas(walk=...)``: the walk's epilogue (dw, its shares
-       of dk and dgamma, from the saved h at every sub-chunk and v_new) and the WY stage's VJP
-       (w, u -> k, v, beta, gamma) from the forward's inverses. Where the WY VJP runs in XLA
-       (``dispatch.wy_bwd_runs_kernel``), the epilogue is ``chunk_h_bwd_pallas``'s own kernel
-       and ``wy_bwd_xla`` follows;
+    1. the walk's VJP (``chunk_h_bwd_pallas``, from the saved h at every sub-chunk and v_new;
+       h's cotangent enters at token-chunk boundaries) -> dk, dw, du, dgamma, dh0;
+    2. the WY stage's VJP (w, u -> k, v, beta, gamma) per sub-chunk: ``wy_bwd_pallas`` from the
+       forward's inverses, or ``wy_bwd_xla`` (``dispatch.wy_bwd_runs_kernel``);
     3. the VJP of the expanded decays (gamma <- g, a cumsum) in jnp.
-    The output stage's share of dk (the cotangent of the k passed through) is added to dk inside
-    the kernel of step 2, which also rounds dk and dv to the inputs' dtype, so neither the sum nor
-    the casts costs a pass over HBM.
+    The output stage's share of dk (the cotangent of the k passed through) and the walk's are
+    added to dk inside the WY VJP kernel, which also rounds dk and dv to the inputs' dtype, so
+    neither the sum nor the casts costs a pass over HBM.
     """
     k, v, beta, g, runs, initial_state, (w, inverse, h_sub, v_new_p) = residuals
     chunk_size, m, interpret = config
@@ -360,29 +357,21 @@ def _states_bwd(config, residuals, cotangents):
     # Cotangents stay in their dtype (16-bit h and v_new have 16-bit ones): the walk kernel
     # upcasts its loads, where a float32 copy here would cost a pass over HBM each.
     pad_positions = functools.partial(_pad_positions, padded_positions=padded_positions)
-    walk_operands = (k_p, w, gamma, runs_p)
-    walk_cotangents = (pad_state(dh, kp, vp), pad_positions(dv_new, width=vp),
-                       pad_state(dfinal, kp, vp))
-    walk_config = dict(chunk_size=sub, num_householder=1,
-                       with_initial_state=initial_state is not None,
-                       subchunks=chunk_size * m // sub,
-                       dot_dtype=dispatch.walk_bwd_dot_dtype(k.dtype), interpret=interpret)
+    dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
+        k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh, kp, vp), pad_positions(dv_new, width=vp),
+        pad_state(dfinal, kp, vp), chunk_size=sub, num_householder=1,
+        with_initial_state=initial_state is not None, subchunks=chunk_size * m // sub,
+        dot_dtype=dispatch.walk_bwd_dot_dtype(k.dtype), interpret=interpret)
     if inverse is not None:
-        # The reverse walk, then one kernel for its epilogue and the WY VJP (same sub-chunk grid).
-        dvt, dstate, dh0 = chunk_h_bwd_walk(*walk_operands, *walk_cotangents, **walk_config)
         precision, operand_dtype = dispatch.wy_bwd_dots(k.dtype)
-        wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, None, dvt,
-                                 sub_chunk=sub, precision=precision, operand_dtype=operand_dtype,
-                                 dk_accumulate=(pad_positions(dk_through, width=kp),),
-                                 walk=(h_sub, dstate, v_new_p), out_dtype=k.dtype,
-                                 interpret=interpret)
-        dk_p, dgamma = wy_grads[0], wy_grads[3]
+        wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
+                                 precision=precision, operand_dtype=operand_dtype,
+                                 dk_accumulate=(dk_walk, pad_positions(dk_through, width=kp)),
+                                 out_dtype=k.dtype, interpret=interpret)
+        dk_p = wy_grads[0]
     else:
-        dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
-            *walk_operands, h_sub, v_new_p, *walk_cotangents, **walk_config)
         wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)
         dk_p = dk_walk + wy_grads[0] + pad_positions(dk_through, width=kp).astype(f32)
-        dgamma = None if g is None else dgamma_walk + wy_grads[3]
     dk = dk_p[:, :positions, :, :key_dim]
     dv = wy_grads[1][:, :positions, :, :value_dim]
     dbeta = wy_grads[2][:, :positions]
@@ -390,7 +379,7 @@ def _states_bwd(config, residuals, cotangents):
     if g is not None:
         _, decay_vjp = jax.vjp(
             lambda g: expanded_log2_decays(g, m, padded_positions, sub), g.astype(f32))
-        (dg,) = decay_vjp(dgamma)
+        (dg,) = decay_vjp(dgamma_walk + wy_grads[3])
     cast = lambda x, primal: None if primal is None else x.astype(primal.dtype)
     dinit = None if dh0 is None else dh0[..., :key_dim, :value_dim]
     return (cast(dk, k), cast(dv, v), cast(dbeta, beta), cast(dg, g), None,

@@ -127,7 +127,7 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_
     return BlockSizes(block_k=block_k, block_v=block_v, num_warps=warps, num_stages=stages)
 
 
-def decay_coefficients(g, segment, is_last):
+def _decay_coefficients(g, segment, is_last):
     """(a [BT], d) of one chunk for both backward kernels: a_j = [run_j == run_last]
     2^(g_last - g_j) weighs position j's key in the carried state, d = [run_first == run_last]
     2^g_last the state carried in. g [BT] chunk-local log2 decays or None; segment (run [BT],
@@ -167,7 +167,7 @@ def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_re
         ds_operand = tuple(x.astype(dot_dtype) for x in ds)          # dS_c as the dots take it
         for kb, x in zip(key_blocks, ds):
             dstate_ref[c, kb, :] = x.astype(dstate_ref.dtype)
-        coeff, carry_in = decay_coefficients(
+        coeff, carry_in = _decay_coefficients(
             g_ref[rows] if has_g else None,                         # [BT] chunk-local log2 decays
             (run, run_first, run_last) if has_segments else None, is_last)
         acc = tuple(carry_in * x for x in ds)
@@ -282,7 +282,7 @@ def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_r
     if has_segments:
         run = runs_ref[...]
         segment = (run, jnp.min(run), jnp.max(run))                       # runs never decrease
-    coeff, carry_in = decay_coefficients(g, segment, is_last)
+    coeff, carry_in = _decay_coefficients(g, segment, is_last)
 
     def one_copy(m, carry):
         z_sum, hds = carry

@@ -51,24 +51,13 @@ passes, float32-level products, run as HIGHEST by the interpreter; HIGHEST: IEEE
 that spill when compiled), or, with ``operand_dtype``, operands rounded to that 16-bit dtype with
 float32 accumulation, as fla's WY backward does (``_src.dispatch.wy_bwd_dots`` picks per input dtype).
 
-With ``walk`` the kernel is also the reverse state walk's epilogue (``chunk_h.pallas_bwd``, whose
-docstring derives it), on the same sub-chunk grid, from the walk's dvt (= du) and per-sub-chunk
-dS and the forward's h (the state before the sub-chunk) and v_new. In the op w and u enter only
-v_new = u - w h, so dw = -dvt h^T, and
-
-    M T^T = dw w^T + du u^T = dvt (u - w h)^T = dvt v_new^T:
-
-step 1 accumulates that instead of M, step 2 goes, and step 4 makes dw = -dvt h^T on each key
-block and adds the walk's shares, dk += a ∘ (v_new dS^T) and its dgamma terms (one dot a value
-block each). dw and the walk's dk and dgamma never pass through HBM.
-
 Grid (H, sub-chunks, B), heads fastest; each program owns one sub-chunk and writes only its rows.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,31 +65,18 @@ from jax.experimental import pallas as pl
 
 from gdp_jax._src.layout import tile_width
 from gdp_jax._src.pallas import plgpu, HIGHEST, LN2, TF32X3, triton_call
-from gdp_jax.ops.chunk_h.pallas_bwd import decay_coefficients
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Launch parameters of the WY backward (one program per sub-chunk); ``default_block_sizes``
-    picks them."""
+    """Launch parameters of the WY backward (one program per sub-chunk); RESULTS.md, "WY backward"."""
     block_cols: int = 64      # width of the column blocks the K and V passes step through
     num_warps: int = 4
     num_stages: int = 1
 
 
-def default_block_sizes(with_walk: bool) -> BlockSizes:
-    """The launch table (RESULTS.md, "WY backward"):
-
-    | case | (block_cols, warps) | why |
-    |---|---|---|
-    | the WY VJP alone | (64, 4) | measured fastest of the column and warp choices |
-    | with the walk's epilogue | (32, 4) | 64 columns at 4 warps spill (436 B in offline sm_90a builds at K = V = 128); 8 warps hold one program per SM |
-    """
-    return BlockSizes(block_cols=32, num_warps=4) if with_walk else BlockSizes(block_cols=64, num_warps=4)
-
-
 def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_ref, du_ref,
-                   dk_in_refs, walk_refs, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *, sub_chunk: int,
+                   dk_in_refs, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *, sub_chunk: int,
                    block_cols: int, precision, operand_dtype):
     f32 = jnp.float32
     has_g, has_segments = gamma_ref is not None, runs_ref is not None
@@ -117,56 +93,30 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
         return jax.lax.fori_loop(0, ref.shape[-1] // width, step, init)
 
     beta = beta_ref[...].astype(f32)                                  # [S]
-    gamma = gamma_ref[...] if has_g else None
-    live_decay = jnp.exp2(gamma) if has_g else jnp.ones((sub_chunk,), f32)
+    live_decay = jnp.exp2(gamma_ref[...]) if has_g else jnp.ones((sub_chunk,), f32)
     if has_segments:
         runs = runs_ref[...]
         live_decay = jnp.where(runs == runs_ref[0], live_decay, 0.0)   # live_j 2^gamma_j
     scale_w = beta * live_decay                                       # Rw_j = scale_w_j k_j
     t_inv = inverse_ref[...].astype(f32)                              # T [S, S], lower
 
-    if walk_refs is not None:
-        h_ref, dstate_ref, v_new_ref = walk_refs
-        walk_dtype = du_ref.dtype                   # the reverse walk's dot operands
-        width = min(block_cols, v_ref.shape[-1])
-        value_blocks = [pl.ds(s, width) for s in range(0, v_ref.shape[-1], width)]
-
-        def walk_products(cols, a_ref, b_ref, frobenius=False):
-            """sum over value blocks of a[:, vb] b[cols, vb]^T ([S, BC]); with ``frobenius`` also
-            the rows of h[cols] ∘ dS[cols] summed ([BC])."""
-            product = hds = None
-            for vb in value_blocks:
-                b = b_ref[cols, vb].astype(walk_dtype)
-                term = plgpu.dot(a_ref[:, vb].astype(walk_dtype), b, trans_b=True)
-                product = term if product is None else product + term
-                if frobenius:
-                    rows = jnp.sum(h_ref[cols, vb].astype(f32) * b.astype(f32), axis=1)
-                    hds = rows if hds is None else hds + rows
-            return product, hds
-
-    # 1-2. M = du Ru^T + dw Rw^T; on the way, dRu = T^T du gives dv and v·dRu. With the walk, w
-    # and u enter only v_new = u - w h, so dw = -du h^T and M T^T = dw w^T + du u^T = du v_new^T:
-    # the value pass accumulates M T^T itself and no key pass is needed for it.
+    # 1-2. M = du Ru^T + dw Rw^T; on the way, dRu = T^T du gives dv and v·dRu.
     def value_block(cols, carry):
         m, v_dot_dru = carry
         values, cot = v_ref[:, cols].astype(f32), du_ref[:, cols].astype(f32)
         d_rhs = dot(t_inv, cot, trans_a=True)                         # dRu = T^T du
         dv_ref[:, cols] = (beta[:, None] * d_rhs).astype(dv_ref.dtype)
-        if walk_refs is None:
-            m = m + dot(cot, values * beta[:, None], trans_b=True)
-        else:
-            m = m + dot(cot, v_new_ref[:, cols].astype(f32), trans_b=True)
+        m = m + dot(cot, values * beta[:, None], trans_b=True)
         return m, v_dot_dru + jnp.sum(values * d_rhs, axis=1)
 
     zeros = jnp.zeros((sub_chunk,), f32)
     m, v_dot_dru = column_loop(v_ref, value_block, (jnp.zeros((sub_chunk, sub_chunk), f32), zeros))
 
-    if walk_refs is None:
-        def add_key_outer(cols, m):
-            keys, cot = k_ref[:, cols].astype(f32), dw_ref[:, cols].astype(f32)
-            return m + dot(cot, keys * scale_w[:, None], trans_b=True)
+    def add_key_outer(cols, m):
+        keys, cot = k_ref[:, cols].astype(f32), dw_ref[:, cols].astype(f32)
+        return m + dot(cot, keys * scale_w[:, None], trans_b=True)
 
-        m = dot(column_loop(k_ref, add_key_outer, m), t_inv, trans_b=True)       # M T^T
+    m = column_loop(k_ref, add_key_outer, m)
 
     # 3. dA = -(T^T M T^T) on the mask; F = dA ∘ D, with D_ji = 2^(gamma_j - gamma_i) there.
     row = jax.lax.broadcasted_iota(jnp.int32, (sub_chunk, 1), 0)
@@ -176,58 +126,32 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
         mask &= runs[:, None] == runs[None, :]
     decay = mask.astype(f32)
     if has_g:  # mask the exponent first: above the diagonal it would be positive
+        gamma = gamma_ref[...]
         decay = jnp.where(mask, jnp.exp2(jnp.where(mask, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
-    f = -dot(t_inv, m, trans_a=True) * decay
+    f = -dot(t_inv, dot(m, t_inv, trans_b=True), trans_a=True) * decay
 
-    if walk_refs is not None:   # the walk's weights: a_j of k_j in the carried state, d of h
-        is_last = jax.lax.broadcasted_iota(jnp.int32, (sub_chunk,), 0) == sub_chunk - 1
-        segment = (runs, jnp.min(runs), jnp.max(runs)) if has_segments else None
-        coeff, carry_in = decay_coefficients(gamma, segment, is_last)
-
-    # 4. Key columns: dRw = T^T dw, P1 = F K, P2 = F^T (beta K); dk = scale_w dRw + beta P1 + P2,
-    # with the walk also + a ∘ dkd, dkd = v_new dS^T (its z_j = a_j k_j·dkd_j and the sum of
-    # h ∘ dS make its dgamma). Each product is folded into dk as soon as it is made.
+    # 4. Key columns: dRw = T^T dw, P1 = F K, P2 = F^T (beta K); dk = scale_w dRw + beta P1 + P2.
     def key_block(cols, sums):
-        k_dot_drw, k_dot_p1, k_dot_p2, k_dot_dkd, hds_sum = sums
-        keys = k_ref[:, cols].astype(f32)
-        if walk_refs is None:
-            cot = dw_ref[:, cols].astype(f32)
-        else:
-            cot = -walk_products(cols, du_ref, h_ref)[0]                 # dw = -du h^T
+        k_dot_drw, k_dot_p1, k_dot_p2 = sums
+        keys, cot = k_ref[:, cols].astype(f32), dw_ref[:, cols].astype(f32)
         d_rhs = dot(t_inv, cot, trans_a=True)
-        dk = scale_w[:, None] * d_rhs
-        k_dot_drw += jnp.sum(keys * d_rhs, axis=1)
         p1 = dot(f, keys)
-        dk += beta[:, None] * p1
-        k_dot_p1 += jnp.sum(keys * p1, axis=1)
         p2 = dot(f, keys * beta[:, None], trans_a=True)
-        dk += p2
-        k_dot_p2 += jnp.sum(keys * p2, axis=1)
-        if walk_refs is not None:
-            dkd, hds = walk_products(cols, v_new_ref, dstate_ref, frobenius=has_g)
-            dk += coeff[:, None] * dkd
-            k_dot_dkd += jnp.sum(keys * dkd, axis=1)
-            if has_g:
-                hds_sum += jnp.sum(hds)
+        dk = scale_w[:, None] * d_rhs + beta[:, None] * p1 + p2
         for dk_in_ref in dk_in_refs:
             dk += dk_in_ref[:, cols].astype(f32)
         dk_ref[:, cols] = dk.astype(dk_ref.dtype)
-        return k_dot_drw, k_dot_p1, k_dot_p2, k_dot_dkd, hds_sum
+        return (k_dot_drw + jnp.sum(keys * d_rhs, axis=1), k_dot_p1 + jnp.sum(keys * p1, axis=1),
+                k_dot_p2 + jnp.sum(keys * p2, axis=1))
 
-    k_dot_drw, k_dot_p1, k_dot_p2, k_dot_dkd, hds_sum = column_loop(
-        k_ref, key_block, (zeros, zeros, zeros, zeros, jnp.float32(0.0)))
+    k_dot_drw, k_dot_p1, k_dot_p2 = column_loop(k_ref, key_block, (zeros, zeros, zeros))
     dbeta_ref[...] = k_dot_p1 + v_dot_dru + live_decay * k_dot_drw
     if has_g:
-        dgamma = LN2 * (beta * k_dot_p1 - k_dot_p2 + scale_w * k_dot_drw)
-        if walk_refs is not None:   # the walk's: -z_j at every j, sum z + ln2 d <h, dS> at the last
-            z = LN2 * coeff * k_dot_dkd
-            dgamma += jnp.where(is_last, jnp.sum(z) + LN2 * carry_in * hds_sum, 0.0) - z
-        dgamma_ref[...] = dgamma
+        dgamma_ref[...] = LN2 * (beta * k_dot_p1 - k_dot_p2 + scale_w * k_dot_drw)
 
 
 def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, precision=HIGHEST,
                   operand_dtype=None, dk_accumulate: Sequence[jax.Array] = (),
-                  walk: Optional[Tuple[jax.Array, jax.Array, jax.Array]] = None,
                   out_dtype=jnp.float32, interpret: bool = False,
                   block_sizes: Optional[BlockSizes] = None):
     """(dk [B, P, H, K], dv [B, P, H, V], dbeta [B, P, H], dgamma [B, P, H] or None): the VJP of
@@ -243,27 +167,17 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
     ``precision`` / ``operand_dtype``: the dots, see the module docstring. ``dk_accumulate``:
     [B, P, H, K] arrays (any float dtype) added to dk in float32 before it is rounded to
     ``out_dtype``, so that the op's other shares of dk cost no separate pass over HBM.
-
-    ``walk`` = (h [B, P/S, H, K, V], dS [B, P/S, H, K, V], v_new [B, P, H, V]), any float
-    dtypes: run the reverse state walk's epilogue in this kernel (module docstring), for the walk
-    over sub-chunks of S positions with decays gamma and runs (``chunk_h.pallas_bwd.
-    chunk_h_bwd_walk(chunk_size=S, num_householder=1)``). h is the state before every sub-chunk
-    and v_new = u - w h as the forward made them (the kernel relies on that identity), dS the
-    walk's state cotangents; du is then the walk's dvt, whose dtype the epilogue's dots take,
-    and dw must be None. dk and dgamma then include the walk's shares.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
-    sizes = block_sizes or default_block_sizes(walk is not None)
+    sizes = block_sizes or BlockSizes()
     if sub_chunk not in (16, 32, 64) or positions % sub_chunk:
         raise ValueError(f"wy_bwd_pallas: sub_chunk must be 16, 32 or 64 and divide P = {positions}; "
                          f"got {sub_chunk}")
     widths = dict(K=key_dim, V=value_dim, block_cols=sizes.block_cols)
     if any(tile_width(n) != n for n in widths.values()):   # powers of two >= 16
         raise ValueError(f"wy_bwd_pallas: {widths} must all be powers of two >= 16")
-    if (walk is None) == (dw is None):
-        raise ValueError("wy_bwd_pallas: give exactly one of dw and walk")
-    if v.dtype != k.dtype or du.shape != v.shape or (dw is not None and dw.shape != k.shape):
+    if v.dtype != k.dtype or dw.shape != k.shape or du.shape != v.shape:
         raise ValueError("wy_bwd_pallas: k and v must share a dtype, dw match k's shape, du v's")
     dk_accumulate = tuple(dk_accumulate)
     for extra in dk_accumulate:
@@ -273,26 +187,16 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
     if inverse.shape != (batch, positions, heads, sub_chunk):
         raise ValueError(f"wy_bwd_pallas: inverse must be [B, P, H, S] = "
                          f"{(batch, positions, heads, sub_chunk)}; got {inverse.shape}")
-    state_shape = (batch, positions // sub_chunk, heads, key_dim, value_dim)
-    if walk is not None:
-        h, dstate, v_new = walk
-        if h.shape != state_shape or dstate.shape != state_shape or v_new.shape != v.shape:
-            raise ValueError(f"wy_bwd_pallas: walk's h and dS must be [B, P/S, H, K, V] = "
-                             f"{state_shape} and v_new v's shape {v.shape}; got {h.shape}, "
-                             f"{dstate.shape}, {v_new.shape}")
     f32 = jnp.float32
     rows = lambda width: pl.BlockSpec((None, sub_chunk, None, width), lambda hd, s, b: (b, s, hd, 0))
     per_position = pl.BlockSpec((None, sub_chunk, None), lambda hd, s, b: (b, s, hd))
-    state = pl.BlockSpec((None, None, None, key_dim, value_dim), lambda hd, s, b: (b, s, hd, 0, 0))
     operands = (k, v, beta, None if gamma is None else gamma.astype(f32),
-                None if runs is None else runs.astype(jnp.int32), inverse, dw, du, dk_accumulate,
-                walk)
+                None if runs is None else runs.astype(jnp.int32), inverse, dw, du, dk_accumulate)
     in_specs = (rows(key_dim), rows(value_dim), per_position,
                 None if gamma is None else per_position,
                 None if runs is None else pl.BlockSpec((None, sub_chunk), lambda hd, s, b: (b, s)),
-                rows(sub_chunk), None if dw is None else rows(key_dim), rows(value_dim),
-                tuple(rows(key_dim) for _ in dk_accumulate),
-                None if walk is None else (state, state, rows(value_dim)))
+                rows(sub_chunk), rows(key_dim), rows(value_dim),
+                tuple(rows(key_dim) for _ in dk_accumulate))
     out_shape = (jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads), f32),

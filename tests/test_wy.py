@@ -338,29 +338,3 @@ def test_wy_bwd_dk_accumulate_and_out_dtype():
     assert_close(got[1], want["dv"], tolerance("bfloat16"), "dv")
     assert_close(got[2], want["dbeta"], tolerance("float32"), "dbeta")
     assert_close(got[3], want["dgamma"], tolerance("float32"), "dgamma")
-
-
-@pytest.mark.parametrize("sub_chunk,gated,segments", [(64, True, True), (16, False, True),
-                                                      (32, True, False)])
-def test_wy_bwd_v_new_against_float64_autodiff(sub_chunk, gated, segments):
-    """``v_new=``: where w and u enter only v_new = u - w h (the op's state walk; dw = -du h^T),
-    the kernel takes M T^T = du v_new^T instead of its pass over dw; against float64 autodiff
-    of wy_dense with those cotangents, h random per sub-chunk and v_new made from the forward."""
-    primals, (_, du) = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=3, key_dim=32,
-                                   value_dim=64, gated=gated, segments=segments)
-    k, v = primals[:2]
-    batch, positions, heads, key_dim = k.shape
-    n = positions // sub_chunk
-    rng = np.random.default_rng(seed_of("wy-v-new", sub_chunk, gated, segments))
-    h = rng.normal(size=(batch, n, heads, key_dim, v.shape[-1]))
-    per = lambda x: x.reshape((batch, n, sub_chunk) + x.shape[2:])
-    w, u, _ = wy_numpy(primals, sub_chunk)
-    v_new = (per(u) - np.einsum("bnshk,bnhkv->bnshv", per(w), h)).reshape(v.shape)
-    dw = -np.einsum("bnshv,bnhkv->bnshk", per(to64(du)), h).reshape(k.shape)
-    cotangents = (jnp.asarray(dw, jnp.float32), du)
-    got = _bwd_pallas(primals, cotangents, sub_chunk, v_new=jnp.asarray(v_new, jnp.float32))
-    assert_all_close(dict(zip(NAMES, got)), reference_vjp(primals, cotangents, sub_chunk),
-                     tolerance("float32"))
-    # Without the identity's premise (v_new not u - w h) the result must differ.
-    wrong = _bwd_pallas(primals, cotangents, sub_chunk, v_new=jnp.asarray(1.01 * v_new, jnp.float32))
-    assert rel_err(wrong[2], reference_vjp(primals, cotangents, sub_chunk)["dbeta"]) > 1e-4

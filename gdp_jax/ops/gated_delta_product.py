@@ -367,7 +367,7 @@ def _states_bwd(config, residuals, cotangents):
         wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
                                  precision=precision, operand_dtype=operand_dtype,
                                  dk_accumulate=(dk_walk, pad_positions(dk_through, width=kp)),
-                                 v_new=v_new_p, out_dtype=k.dtype, interpret=interpret)
+                                 out_dtype=k.dtype, interpret=interpret)
         dk_p = wy_grads[0]
     else:
         wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)

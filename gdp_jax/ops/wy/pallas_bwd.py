@@ -19,10 +19,7 @@ kept only where A is not structurally zero (on the mask; A's other entries are c
     dRw = T^T dw,   dRu = T^T du,
     dA  = -mask ∘ (T^T M T^T),   M = dw Rw^T + du Ru^T                           (S x S)
 
-(M T^T = dw w^T + du u^T, so this is the -(dRw w^T + dRu u^T) form without recomputing w and u.
-Where w and u enter only the state walk's v_new = u - w h, as in the op, dw = -du h^T and
-M T^T = du (u - w h)^T = du v_new^T: given v_new, the kernel takes that and skips its pass over
-dw for M.)
+(M T^T = dw w^T + du u^T, so this is the -(dRw w^T + dRu u^T) form without recomputing w and u.)
 Through A = beta_j D_ji G_ji, with d 2^x = ln2 2^x dx and Z = dA ∘ A:
 
     dG = dA ∘ beta_j D;  dk_j += sum_i dG_ji k_i + sum_i dG_ij k_i           (G = K K^T)
@@ -43,8 +40,7 @@ Kernel structure. The inverse T is the forward kernel's own (``wy_pallas(..., re
 keeps it, float32, as [B, P, H, S]: row j holds T[j, :] of its sub-chunk), so nothing serial is
 redone here and every step is a whole-tile dot on tensor cores. Per program (one sub-chunk):
 
-  1. value columns (``block_cols`` wide): M = du Ru^T, dRu = T^T du, dv = beta dRu, sums v·dRu
-     (given v_new: M T^T = du v_new^T instead, and no step 2);
+  1. value columns (``block_cols`` wide): M = du Ru^T, dRu = T^T du, dv = beta dRu, sums v·dRu;
   2. key columns: M += dw Rw^T;
   3. dA = -mask ∘ (T^T (M T^T)), F = dA ∘ D (D rebuilt from gamma and the runs);
   4. key columns again: dRw = T^T dw, P1 = F K, P2 = F^T (beta K), dk, sums k·dRw, k·P1, k·P2;
@@ -80,7 +76,7 @@ class BlockSizes:
 
 
 def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_ref, du_ref,
-                   v_new_ref, dk_in_refs, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *, sub_chunk: int,
+                   dk_in_refs, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *, sub_chunk: int,
                    block_cols: int, precision, operand_dtype):
     f32 = jnp.float32
     has_g, has_segments = gamma_ref is not None, runs_ref is not None
@@ -104,28 +100,23 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
     scale_w = beta * live_decay                                       # Rw_j = scale_w_j k_j
     t_inv = inverse_ref[...].astype(f32)                              # T [S, S], lower
 
-    # 1-2. M = du Ru^T + dw Rw^T, then M T^T; on the way, dRu = T^T du gives dv and v·dRu. With
-    # v_new, M T^T = du v_new^T is accumulated directly and the key pass goes.
+    # 1-2. M = du Ru^T + dw Rw^T; on the way, dRu = T^T du gives dv and v·dRu.
     def value_block(cols, carry):
         m, v_dot_dru = carry
         values, cot = v_ref[:, cols].astype(f32), du_ref[:, cols].astype(f32)
         d_rhs = dot(t_inv, cot, trans_a=True)                         # dRu = T^T du
         dv_ref[:, cols] = (beta[:, None] * d_rhs).astype(dv_ref.dtype)
-        if v_new_ref is None:
-            m = m + dot(cot, values * beta[:, None], trans_b=True)
-        else:
-            m = m + dot(cot, v_new_ref[:, cols].astype(f32), trans_b=True)
+        m = m + dot(cot, values * beta[:, None], trans_b=True)
         return m, v_dot_dru + jnp.sum(values * d_rhs, axis=1)
 
     zeros = jnp.zeros((sub_chunk,), f32)
     m, v_dot_dru = column_loop(v_ref, value_block, (jnp.zeros((sub_chunk, sub_chunk), f32), zeros))
 
-    if v_new_ref is None:
-        def add_key_outer(cols, m):
-            keys, cot = k_ref[:, cols].astype(f32), dw_ref[:, cols].astype(f32)
-            return m + dot(cot, keys * scale_w[:, None], trans_b=True)
+    def add_key_outer(cols, m):
+        keys, cot = k_ref[:, cols].astype(f32), dw_ref[:, cols].astype(f32)
+        return m + dot(cot, keys * scale_w[:, None], trans_b=True)
 
-        m = dot(column_loop(k_ref, add_key_outer, m), t_inv, trans_b=True)       # M T^T
+    m = column_loop(k_ref, add_key_outer, m)
 
     # 3. dA = -(T^T M T^T) on the mask; F = dA ∘ D, with D_ji = 2^(gamma_j - gamma_i) there.
     row = jax.lax.broadcasted_iota(jnp.int32, (sub_chunk, 1), 0)
@@ -137,7 +128,7 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
     if has_g:  # mask the exponent first: above the diagonal it would be positive
         gamma = gamma_ref[...]
         decay = jnp.where(mask, jnp.exp2(jnp.where(mask, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
-    f = -dot(t_inv, m, trans_a=True) * decay
+    f = -dot(t_inv, dot(m, t_inv, trans_b=True), trans_a=True) * decay
 
     # 4. Key columns: dRw = T^T dw, P1 = F K, P2 = F^T (beta K); dk = scale_w dRw + beta P1 + P2.
     def key_block(cols, sums):
@@ -161,7 +152,7 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
 
 def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, precision=HIGHEST,
                   operand_dtype=None, dk_accumulate: Sequence[jax.Array] = (),
-                  v_new: Optional[jax.Array] = None, out_dtype=jnp.float32, interpret: bool = False,
+                  out_dtype=jnp.float32, interpret: bool = False,
                   block_sizes: Optional[BlockSizes] = None):
     """(dk [B, P, H, K], dv [B, P, H, V], dbeta [B, P, H], dgamma [B, P, H] or None): the VJP of
     wy_pallas's (w, u) in (k, v, beta, gamma), given cotangents dw, du. dk and dv come in
@@ -176,10 +167,6 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
     ``precision`` / ``operand_dtype``: the dots, see the module docstring. ``dk_accumulate``:
     [B, P, H, K] arrays (any float dtype) added to dk in float32 before it is rounded to
     ``out_dtype``, so that the op's other shares of dk cost no separate pass over HBM.
-
-    ``v_new`` [B, P, H, V] (any float dtype): the state walk's corrected values u - w h, where w
-    and u enter the caller's function only through them (so dw = -du h^T, as in the op). Then
-    M T^T = dw w^T + du u^T = du v_new^T, which the kernel takes instead of its pass over dw.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
@@ -192,8 +179,6 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
         raise ValueError(f"wy_bwd_pallas: {widths} must all be powers of two >= 16")
     if v.dtype != k.dtype or dw.shape != k.shape or du.shape != v.shape:
         raise ValueError("wy_bwd_pallas: k and v must share a dtype, dw match k's shape, du v's")
-    if v_new is not None and v_new.shape != v.shape:
-        raise ValueError(f"wy_bwd_pallas: v_new must match v's shape {v.shape}; got {v_new.shape}")
     dk_accumulate = tuple(dk_accumulate)
     for extra in dk_accumulate:
         if extra.shape != k.shape:
@@ -206,13 +191,11 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
     rows = lambda width: pl.BlockSpec((None, sub_chunk, None, width), lambda hd, s, b: (b, s, hd, 0))
     per_position = pl.BlockSpec((None, sub_chunk, None), lambda hd, s, b: (b, s, hd))
     operands = (k, v, beta, None if gamma is None else gamma.astype(f32),
-                None if runs is None else runs.astype(jnp.int32), inverse, dw, du, v_new,
-                dk_accumulate)
+                None if runs is None else runs.astype(jnp.int32), inverse, dw, du, dk_accumulate)
     in_specs = (rows(key_dim), rows(value_dim), per_position,
                 None if gamma is None else per_position,
                 None if runs is None else pl.BlockSpec((None, sub_chunk), lambda hd, s, b: (b, s)),
                 rows(sub_chunk), rows(key_dim), rows(value_dim),
-                None if v_new is None else rows(value_dim),
                 tuple(rows(key_dim) for _ in dk_accumulate))
     out_shape = (jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),

@@ -155,8 +155,8 @@ def _l2norm_op(q, k, v, g, beta, runs, initial_state, config: _OpConfig):
     """The op with use_qk_l2norm. Undifferentiated, no normalised copy of q or k is written: the
     WY kernel takes the keys' factors from its gram's diagonal, applies them and returns them,
     and the walk and chunk_o apply them as row and column factors; q's factors take one XLA
-    reduction and reach chunk_o's outputs. Differentiated, ``_composed`` (the normalisation as its own step, with its VJP
-    kernel), forward and backward."""
+    reduction and reach chunk_o's outputs. Differentiated, ``_composed`` (the normalisation as
+    its own step, with its VJP kernel), forward and backward."""
     interpret = config.implementation == "interpret"
     chunk_size, m = config.chunk_size, config.num_householder
     g32 = None if g is None else g.astype(jnp.float32)

@@ -235,7 +235,10 @@ class Wy(Stage):
             interpret=interpret, block_sizes=sizes)
 
     def sweep(self, shape, default):
-        return [dict(num_warps=w, num_stages=s) for w in (1, 2, 4, 8) for s in (1, 2)]
+        return ([dict(num_warps=w, num_stages=s, sub_chunks_per_program=1) for w in (1, 2, 4, 8)
+                 for s in (1, 2)]
+                + [dict(num_warps=w, num_stages=s, sub_chunks_per_program=n) for w in (2, 4)
+                   for s in (2, 3) for n in (2, 4)])
 
 
 class Walk(Wy):

@@ -21,7 +21,8 @@ from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.cumsum import expanded_log2_decays
 from gdp_jax.ops.wy import unit_lower_inverse, wy_bwd_pallas, wy_bwd_xla, wy_pallas, wy_xla
 from gdp_jax.ops.wy.pallas_bwd import BlockSizes
-from gdp_jax.ops.wy.pallas_fwd import BlockSizes as WyBlockSizes, default_substituted_rows
+from gdp_jax.ops.wy.pallas_fwd import (BlockSizes as WyBlockSizes, default_sub_chunks_per_program,
+                                       default_substituted_rows)
 from cases import assert_all_close, assert_close, rel_err, seed_of, to64, tolerance
 
 M = 2                        # Householder steps per token: gates sit at every M-th position
@@ -338,3 +339,30 @@ def test_wy_bwd_dk_accumulate_and_out_dtype():
     assert_close(got[1], want["dv"], tolerance("bfloat16"), "dv")
     assert_close(got[2], want["dbeta"], tolerance("float32"), "dbeta")
     assert_close(got[3], want["dgamma"], tolerance("float32"), "dgamma")
+
+
+@pytest.mark.parametrize("per_program,dtype", [(2, "bfloat16"), (3, "float32")])
+def test_wy_pallas_sub_chunks_per_program(per_program, dtype):
+    """A loop over several sub-chunks per program computes exactly what one program per sub-chunk
+    does (w, u, T and the l2norm factors), and must divide the sub-chunks."""
+    primals, _ = make_inputs(sub_chunk=16, num_sub_chunks=6, key_dim=32, value_dim=64, gated=True,
+                             segments=True, dtype=dtype)
+    call = lambda **kw: jax.jit(functools.partial(
+        wy_pallas, sub_chunk=16, out_dtype=jnp.float32, interpret=True, return_inverse=True,
+        normalize_keys=True, **kw))(*primals)
+    want = call(block_sizes=WyBlockSizes(sub_chunks_per_program=1))
+    got = call(block_sizes=WyBlockSizes(sub_chunks_per_program=per_program))
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="sub_chunks_per_program must divide the 6"):
+        call(block_sizes=WyBlockSizes(sub_chunks_per_program=4))
+
+
+def test_wy_default_sub_chunks_per_program():
+    """The launch rule: 16-bit inputs up to K, V = 128 loop over 4 sub-chunks, else 2, where they
+    divide the row's sub-chunks; float32 inputs and K or V = 256 keep one program per sub-chunk."""
+    rule = default_sub_chunks_per_program
+    assert [rule(jnp.bfloat16, 128, 128, n) for n in (8, 6, 3)] == [4, 2, 1]
+    assert rule(jnp.float16, 64, 32, 12) == 4
+    assert rule(jnp.float32, 128, 128, 8) == 1
+    assert rule(jnp.bfloat16, 256, 128, 8) == 1

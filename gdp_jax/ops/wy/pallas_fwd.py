@@ -36,7 +36,7 @@ Precision, by input dtype (RESULTS.md, "Dtype rules of the full op"):
 | the rest of the diagonal blocks, blocks of T below the diagonal | IEEE float32 (errors in T multiply every later value) | TF32 tensor-core dots (T is rounded to 16 bits before it is applied) |
 | applying T to the right-hand sides | IEEE float32 | T and the right-hand sides rounded to 16 bits, float32 accumulation, as fla does (w and u are stored in 16 bits) |
 
-Grid (H, sub-chunks, B), heads fastest; no program reads another's output.
+Grid (H, sub-chunks / sub_chunks_per_program, B), heads fastest; no program reads another's output.
 """
 from __future__ import annotations
 
@@ -56,13 +56,16 @@ _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Launch parameters of the WY kernel (one program per sub-chunk). The program's serial part,
-    the substitution steps, favours small programs: 2 warps (RESULTS.md, "WY kernel").
-    ``substituted_rows``: the diagonal sub-blocks inverted by substitution, 16, 8, 4 or 2 rows
-    (None: ``default_substituted_rows``)."""
+    """Launch parameters of the WY kernel. The program's serial part, the substitution steps,
+    favours small programs: 2 warps (RESULTS.md, "WY kernel"). ``substituted_rows``: the diagonal
+    sub-blocks inverted by substitution, 16, 8, 4 or 2 rows (None: ``default_substituted_rows``).
+    ``sub_chunks_per_program``: a program loops over that many consecutive sub-chunks, and at
+    ``num_stages`` 2 Triton loads the next one's rows while it solves this one (None for either:
+    ``default_sub_chunks_per_program``, with 2 stages where it loops and 1 where it does not)."""
     num_warps: int = 2
-    num_stages: int = 1
+    num_stages: Optional[int] = None
     substituted_rows: Optional[int] = None
+    sub_chunks_per_program: Optional[int] = None
 
 
 def default_substituted_rows(dtype, key_dim: int, value_dim: int) -> int:
@@ -80,13 +83,49 @@ def default_substituted_rows(dtype, key_dim: int, value_dim: int) -> int:
     return _BLOCK
 
 
+def default_sub_chunks_per_program(dtype, key_dim: int, value_dim: int, sub_chunks: int) -> int:
+    """Sub-chunks per program for the inputs' dtype, the padded K, V and the number of sub-chunks
+    in a row (RESULTS.md, "WY kernel: sub-chunks per program"):
+
+    | case | per program | why |
+    |---|---|---|
+    | 16-bit inputs, K, V <= 128, sub-chunks a multiple of 4 | 4 | the next sub-chunks' loads hide under the substitution: 0.91x at M = 2 and 3, 0.69x at K = 64 |
+    | the same, sub-chunks a multiple of 2 | 2 | 0.93-0.95x at K = 128, 0.69x at K = 64 |
+    | otherwise | 1 | a lone sub-chunk has nothing to overlap |
+    """
+    if jnp.dtype(dtype).itemsize == 2 and max(key_dim, value_dim) <= 128:
+        for n in (4, 2):
+            if sub_chunks % n == 0:
+                return n
+    return 1
+
+
 def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
-               key_scale_ref, *, sub_chunk: int, substituted_rows: int):
+               key_scale_ref, *, sub_chunk: int, substituted_rows: int, sub_chunks_per_program: int):
+    if sub_chunks_per_program == 1:
+        _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
+                      key_scale_ref, 0, sub_chunk=sub_chunk, substituted_rows=substituted_rows,
+                      unroll=False)
+        return
+
+    def one(j, carry):
+        _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
+                      key_scale_ref, pl.multiple_of(j * sub_chunk, sub_chunk), sub_chunk=sub_chunk,
+                      substituted_rows=substituted_rows, unroll=True)
+        return carry
+
+    jax.lax.fori_loop(0, sub_chunks_per_program, one, 0)
+
+
+def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
+                  key_scale_ref, base, *, sub_chunk: int, substituted_rows: int, unroll: bool):
+    """One sub-chunk: the rows base .. base + sub_chunk of the refs. ``unroll``: the substitution
+    steps as straight code (inside the sub-chunk loop, so that the loop has no inner loop)."""
     f32 = jnp.float32
     sixteen_bit = jnp.dtype(k_ref.dtype).itemsize == 2
     nb = sub_chunk // _BLOCK
     gram_precision = None if sixteen_bit else HIGHEST
-    rows_of = lambda i: pl.ds(i * _BLOCK, _BLOCK)
+    rows_of = lambda i: pl.ds(base + i * _BLOCK, _BLOCK)
     has_g, has_segments = gamma_ref is not None, runs_ref is not None
 
     beta = [beta_ref[rows_of(i)].astype(f32) for i in range(nb)]
@@ -152,7 +191,12 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, invers
         new_row = -jnp.sum(a_row[:, :, None] * t_diag, axis=1)             # -sum_c A[step, c] T[c, :]
         return t_diag + jnp.where(rows & same_sub, new_row[:, None, :], 0.0)
 
-    t_diag = jax.lax.fori_loop(1, sub, substitute, (r3 == c3).astype(f32))
+    t_diag = (r3 == c3).astype(f32)
+    if unroll:
+        for step in range(1, sub):
+            t_diag = substitute(step, t_diag)
+    else:
+        t_diag = jax.lax.fori_loop(1, sub, substitute, t_diag)
     t = {(i, i): jnp.sum(jnp.where(block_of == i, t_diag, 0.0), axis=0) for i in range(nb)}
     width = sub
     while width < _BLOCK:
@@ -170,11 +214,11 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, invers
         for i in range(nb):
             for l in range(nb):
                 block = t[i, l] if l <= i else jnp.zeros((_BLOCK, _BLOCK), jnp.float32)
-                inverse_ref[rows_of(i), rows_of(l)] = block.astype(inverse_ref.dtype)
+                inverse_ref[rows_of(i), pl.ds(l * _BLOCK, _BLOCK)] = block.astype(inverse_ref.dtype)
 
     # Right-hand sides, block by block: beta v and beta live 2^gamma k.
     if has_segments:
-        first_run = runs_ref[0]
+        first_run = runs_ref[base]
     for i in range(nb):
         u_acc = None
         w_acc = None
@@ -225,13 +269,20 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     if positions % sub_chunk or sub_chunk % _BLOCK or sub_chunk > 64:
         raise ValueError(f"wy_pallas: positions {positions} must be a multiple of sub_chunk {sub_chunk}, "
                          f"itself a multiple of {_BLOCK} and at most 64")
-    rows = lambda width: pl.BlockSpec((None, sub_chunk, None, width), lambda hd, s, b: (b, s, hd, 0))
-    per_position = pl.BlockSpec((None, sub_chunk, None), lambda hd, s, b: (b, s, hd))
+    n = sizes.sub_chunks_per_program or default_sub_chunks_per_program(
+        k.dtype, key_dim, value_dim, positions // sub_chunk)
+    num_stages = sizes.num_stages or (2 if n > 1 else 1)
+    if n < 1 or positions % (n * sub_chunk):
+        raise ValueError(f"wy_pallas: sub_chunks_per_program must divide the {positions // sub_chunk} "
+                         f"sub-chunks; got {n}")
+    block = n * sub_chunk
+    rows = lambda width: pl.BlockSpec((None, block, None, width), lambda hd, s, b: (b, s, hd, 0))
+    per_position = pl.BlockSpec((None, block, None), lambda hd, s, b: (b, s, hd))
     operands = (k, v, beta, None if gamma is None else gamma.astype(jnp.float32),
                 None if runs is None else runs.astype(jnp.int32))
     in_specs = (rows(key_dim), rows(value_dim), per_position,
                 None if gamma is None else per_position,
-                None if runs is None else pl.BlockSpec((None, sub_chunk), lambda hd, s, b: (b, s)))
+                None if runs is None else pl.BlockSpec((None, block), lambda hd, s, b: (b, s)))
     out_shape = (jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, sub_chunk), jnp.float32)
@@ -240,10 +291,11 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
                  if normalize_keys else None)
     out_specs = (rows(key_dim), rows(value_dim), rows(sub_chunk) if return_inverse else None,
                  per_position if normalize_keys else None)
-    kernel = functools.partial(_wy_kernel, sub_chunk=sub_chunk, substituted_rows=substituted_rows)
+    kernel = functools.partial(_wy_kernel, sub_chunk=sub_chunk, substituted_rows=substituted_rows,
+                               sub_chunks_per_program=n)
     w, u, inverse, key_scale = triton_call(
         kernel, *operands, name="gdp_wy_fwd",
-        grid=(heads, positions // sub_chunk, batch), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, num_warps=sizes.num_warps, num_stages=sizes.num_stages,
+        grid=(heads, positions // block, batch), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, num_warps=sizes.num_warps, num_stages=num_stages,
         interpret=interpret)
     return (w, u) + ((inverse,) if return_inverse else ()) + ((key_scale,) if normalize_keys else ())

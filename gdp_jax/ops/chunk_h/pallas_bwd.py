@@ -299,7 +299,7 @@ def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_r
                 if has_g:   # h o dS from the tiles loaded for the dots (first copy only),
                     hds += jnp.where(m == 0, h.astype(f32) * ds.astype(f32), 0.0)   # summed once
             dw_ref[:, m, kb] = dw.astype(dw_ref.dtype)
-            dk_ref[:, m, kb] = coeff[:, None] * dkd
+            dk_ref[:, m, kb] = (coeff[:, None] * dkd).astype(dk_ref.dtype)
             z += jnp.sum(k_ref[:, m, kb].astype(f32) * dkd, axis=1)
         return z_sum + LN2 * coeff * z, hds                               # z_j, summed over copies
 
@@ -319,8 +319,8 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
                        num_householder: int, with_initial_state: bool, subchunks: int = 1,
                        dot_dtype=jnp.float32, interpret: bool = False,
                        block_sizes: Optional[BlockSizes] = None):
-    """(dk, dw, du, dg, dinitial_state): the VJP of ``chunk_h.xla.chunk_h_xla``. dk, dg and
-    dinitial_state are float32; dw and du come in ``dot_dtype``.
+    """(dk, dw, du, dg, dinitial_state): the VJP of ``chunk_h.xla.chunk_h_xla``. dg and
+    dinitial_state are float32; dk, dw and du come in ``dot_dtype``.
 
     Primals: k, w [B, T*M, H, K]; g [B, T, H] chunk-local log2 decays or None; runs [B, T] int32
     or None. Forward results (residuals): h [B, NT, H, K, V] (any float dtype), v_new
@@ -365,7 +365,7 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     in_specs = (key_stream, value_stream, value_stream, state, state,
                 None if g is None else per_token,
                 None if runs is None else pl.BlockSpec((None, chunk_size), lambda hd, c, b: (b, c)))
-    out_shape = (jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), f32),          # dk
+    out_shape = (jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), dvt.dtype),    # dk
                  jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), dvt.dtype),    # dw
                  None if g is None else jax.ShapeDtypeStruct((batch, t_pad, heads), f32))
     out_specs = (key_stream, key_stream, None if g is None else per_token)

@@ -84,16 +84,18 @@ def default_substituted_rows(dtype, key_dim: int, value_dim: int) -> int:
 
 
 def default_sub_chunks_per_program(dtype, key_dim: int, value_dim: int, sub_chunks: int) -> int:
-    """Sub-chunks per program for the inputs' dtype, the padded K, V and the number of sub-chunks
-    in a row (RESULTS.md, "WY kernel: sub-chunks per program"):
+    """Sub-chunks per program for the padded K, V and the number of sub-chunks in a row (RESULTS.md,
+    "WY kernel: sub-chunks per program"); the same for every input dtype:
 
     | case | per program | why |
     |---|---|---|
-    | 16-bit inputs, K, V <= 128, sub-chunks a multiple of 4 | 4 | the next sub-chunks' loads hide under the substitution: 0.91x at M = 2 and 3, 0.69x at K = 64 |
-    | the same, sub-chunks a multiple of 2 | 2 | 0.93-0.95x at K = 128, 0.69x at K = 64 |
+    | K, V <= 128, sub-chunks a multiple of 4 | 4 | the next sub-chunks' loads hide under the substitution: 0.91x at bf16 M = 2 and 3, 0.69x at K = 64, 0.68x for float32 |
+    | the same, sub-chunks a multiple of 2 | 2 | 0.93-0.95x at bf16 K = 128, 0.69x at K = 64, 0.71x for float32 |
+    | K or V = 256 | 1 | the loop takes 1.8-1.9x there (the kernel already spills) |
     | otherwise | 1 | a lone sub-chunk has nothing to overlap |
     """
-    if jnp.dtype(dtype).itemsize == 2 and max(key_dim, value_dim) <= 128:
+    del dtype   # measured alike for float32, float16 and bfloat16
+    if max(key_dim, value_dim) <= 128:
         for n in (4, 2):
             if sub_chunks % n == 0:
                 return n

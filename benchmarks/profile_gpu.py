@@ -18,7 +18,7 @@ scripts (common.time_jax), on the operands the op gives them (the sub-chunk grid
 stream; residuals from ops.gated_delta_product.states_pallas, random cotangents):
   op_fwd, op_fwdbwd: the whole op (forward; value and gradient in q, k, v, g, beta), for the sum;
   states_fwd / states_fwd_rule: stages 1-3 forward, plain and as the custom_vjp's forward rule
-                 (which also keeps the residuals the backward reads);
+                 (which also keeps the state before every sub-chunk);
   wy_fwd, walk_fwd: the WY kernel and the state walk alone;
   walk_bwd:      ops.chunk_h.pallas_bwd.chunk_h_bwd_pallas (reverse walk + epilogue), and
   walk_kernel:   the reverse walk alone (chunk_h_bwd_walk);
@@ -210,7 +210,7 @@ def stage_functions(args, shp):
             walk = dict(chunk_size=grid["sub"], num_householder=1, with_initial_state=False,
                         subchunks=grid["subchunks"], dot_dtype=grid["walk_bwd_dot_dtype"],
                         interpret=interpret)
-            fns["walk_kernel"] = (lambda k, w, gamma, runs, h, v_new, dh, dv_new, dfinal:
+            fns["walk_kernel"] = (lambda k, w, gamma, runs, h_sub, v_new, dh, dv_new, dfinal:
                                   chunk_h_bwd_walk(k, w, gamma, runs, dh, dv_new, dfinal, **walk), sets)
         if key == "wy_bwd":
             sub, f32 = st.grid[0]["sub"], jnp.float32

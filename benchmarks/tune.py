@@ -294,19 +294,21 @@ class WalkBwd(Wy):
         fwd = jax.jit(lambda k, v, beta, g, runs: states_pallas(
             k, v, beta, g, runs, None, chunk_size=p0.chunk_size, num_householder=p0.shape["M"],
             interpret=self.interpret, every_sub_chunk=True))
+        subchunks = self.grid[0]["subchunks"]
 
         @jax.jit
-        def cotangents(key, h_p, v_new_p):   # of h (at token-chunk boundaries), v_new, final state
+        def cotangents(key, h_sub, v_new_p):   # of h (at token-chunk boundaries), v_new, final state
             keys = jax.random.split(key, 3)
-            return ((1e-2 * jax.random.normal(keys[0], h_p.shape)).astype(h_p.dtype),
+            stored = h_sub.shape[1] // subchunks
+            return ((1e-2 * jax.random.normal(keys[0], (h_sub.shape[0], stored) + h_sub.shape[2:])).astype(h_sub.dtype),
                     (1e-2 * jax.random.normal(keys[1], v_new_p.shape)).astype(v_new_p.dtype),
-                    1e-2 * jax.random.normal(keys[2], h_p.shape[:1] + h_p.shape[2:], jnp.float32))
+                    1e-2 * jax.random.normal(keys[2], h_sub.shape[:1] + h_sub.shape[2:], jnp.float32))
 
         out = []
         for i, (grid, p) in enumerate(zip(self.grid, problems)):
-            _, _, _, (w, _, h_p, v_new_p) = fwd(p.k, p.v, p.beta, p.g, p.runs)
-            dh, dv_new, dfinal = cotangents(jax.random.PRNGKey(77 + i), h_p, v_new_p)
-            out.append((grid["k_p"], w, grid["gamma"], grid["runs_p"], h_p, v_new_p, dh, dv_new, dfinal))
+            _, _, _, (w, _, h_sub, v_new_p) = fwd(p.k, p.v, p.beta, p.g, p.runs)
+            dh, dv_new, dfinal = cotangents(jax.random.PRNGKey(77 + i), h_sub, v_new_p)
+            out.append((grid["k_p"], w, grid["gamma"], grid["runs_p"], h_sub, v_new_p, dh, dv_new, dfinal))
         return out
 
     def _dot(self, options):
@@ -323,8 +325,8 @@ class WalkBwd(Wy):
         from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas
         grid = self.grid[0]
         dot = self._dot(options)
-        return lambda k, w, gamma, runs, h, v_new, dh, dv_new, dfinal: chunk_h_bwd_pallas(
-            k, w, gamma, runs, h, v_new, dh, dv_new, dfinal, chunk_size=grid["sub"],
+        return lambda k, w, gamma, runs, h_sub, v_new, dh, dv_new, dfinal: chunk_h_bwd_pallas(
+            k, w, gamma, runs, h_sub, v_new, dh, dv_new, dfinal, chunk_size=grid["sub"],
             num_householder=1, with_initial_state=False, subchunks=grid["subchunks"],
             dot_dtype=dot, interpret=interpret, block_sizes=sizes)
 

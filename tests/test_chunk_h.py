@@ -239,17 +239,16 @@ def test_walk_bwd_segments_on_chunk_boundaries():
 
 
 def test_walk_bwd_subchunks():
-    """subchunks=2, as the full op's backward calls it: h and dh only for the states stored before
-    every second chunk (the epilogue walks h forward to the others), i.e. the VJP with dh zero at
-    the other chunks. T must fill whole groups of chunks (edge padding would decay the final
-    state's cotangent)."""
+    """subchunks=2, as the full op's backward calls it: dh only for the states stored before every
+    second chunk, i.e. the VJP with dh zero at the other chunks. T must fill whole groups of
+    chunks (edge padding would decay the final state's cotangent)."""
     case = Case(64, 16, 32, 2, 16)
     primals, (dh, dv_new, dfinal) = walk_inputs(case)
     k, w, u, g, runs, state0 = primals
     kw = dict(chunk_size=16, num_householder=2, interpret=True)
     h, v_new, _ = jax.jit(functools.partial(chunk_h_pallas, **kw))(k, w, u, g, runs, state0)
     got = jax.jit(functools.partial(chunk_h_bwd_pallas, with_initial_state=True, subchunks=2, **kw))(
-        k, w, g, runs, h[:, ::2], v_new, dh[:, ::2], dv_new, dfinal)
+        k, w, g, runs, h, v_new, dh[:, ::2], dv_new, dfinal)
     want = reference_vjp(case, primals, (dh.at[:, 1::2].set(0.0), dv_new, dfinal))
     assert_all_close(dict(zip(NAMES, got)), want, tolerance("float32"))
     with pytest.raises(ValueError, match="multiple of chunk_size"):

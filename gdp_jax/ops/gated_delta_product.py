@@ -8,7 +8,7 @@
 implementation="xla" runs stages 1-3 in jnp (``states_jnp``; exact gradients by plain autodiff).
 "pallas" and "interpret" run stages 2-3 as Pallas kernels on a finer grid, sub-chunks of at most
 64 positions of the expanded stream (``states_pallas``), under one custom_vjp: its forward rule
-also keeps the padded states, w, v_new and the WY stage's inverses; its backward runs the
+also keeps the state before every sub-chunk and the WY stage's inverses; its backward runs the
 walk's VJP kernels (``chunk_h.pallas_bwd``), then the WY stage's VJP (``wy.pallas_bwd``, from the
 forward's inverses, or ``wy.xla.wy_bwd_xla`` for compiled float32 inputs), then the VJP of the
 expanded decays in jnp.
@@ -279,10 +279,10 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     [B, T*M, H, V] in v's dtype, final_state [B, H, K, V] float32.
 
     ``every_sub_chunk`` (the custom_vjp's forward) also returns what the backward needs:
-    (h, v_new, final_state, (w, inverse, h_p, v_new_p)), with w [B, P_pad, H, Kp], the WY
+    (h, v_new, final_state, (w, inverse, h_sub, v_new_p)), with w [B, P_pad, H, Kp], the WY
     stage's inverses [B, P_pad, H, sub] float32 (None where the backward does not use them) and,
-    padded, h_p [B, NT, H, Kp, Vp] and v_new_p [B, P_pad, H, Vp] (the walk's VJP walks the states
-    before the other sub-chunks forward from h_p).
+    on the padded sub-chunk grid, the state before every sub-chunk h_sub [B, NS, H, Kp, Vp] and
+    v_new_p [B, P_pad, H, Vp].
 
     ``normalize_keys`` (use_qk_l2norm, the undifferentiated forward only): the WY kernel
     solves for k L2-normalised per position and returns the factors, which the walk applies;
@@ -300,15 +300,17 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
                              return_inverse=keep_inverse, normalize_keys=normalize_keys)
     inverse = extra[:1] if keep_inverse else []
     key_scale = extra[-1] if normalize_keys else None
-    # The walk stores h at token-chunk boundaries only.
-    h, v_new, final_state = chunk_h_pallas(
+    # The walk stores h at token-chunk boundaries and, for the backward, at every sub-chunk too
+    # (written by the kernel rather than sliced out after).
+    h, v_new, final_state, *h_sub = chunk_h_pallas(
         k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
         subchunks=chunk_size * m // sub, h_dtype=work_dtype, v_new_dtype=v.dtype,
-        dot_dtype=work_dtype, interpret=interpret, key_scale=key_scale)
+        dot_dtype=work_dtype, interpret=interpret, every_chunk_too=every_sub_chunk,
+        key_scale=key_scale)
     outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
                final_state[..., :key_dim, :value_dim])
     if every_sub_chunk:
-        return outputs + ((w, inverse[0] if inverse else None, h, v_new),)
+        return outputs + ((w, inverse[0] if inverse else None, h_sub[0], v_new),)
     if normalize_keys:
         return outputs + (key_scale[:, :positions],)
     return outputs
@@ -334,9 +336,8 @@ def _states_fwd(k, v, beta, g, runs, initial_state, config):
 def _states_bwd(config, residuals, cotangents):
     """Reverse of states_pallas on the sub-chunk grid, exact:
 
-    1. the walk's VJP (``chunk_h_bwd_pallas``, from the saved h at token-chunk boundaries, which
-       its epilogue walks forward to every sub-chunk, and v_new; h's cotangent enters at
-       token-chunk boundaries) -> dk, dw, du, dgamma, dh0;
+    1. the walk's VJP (``chunk_h_bwd_pallas``, from the saved h at every sub-chunk and v_new;
+       h's cotangent enters at token-chunk boundaries) -> dk, dw, du, dgamma, dh0;
     2. the WY stage's VJP (w, u -> k, v, beta, gamma) per sub-chunk: ``wy_bwd_pallas`` from the
        forward's inverses, or ``wy_bwd_xla`` (``dispatch.wy_bwd_runs_kernel``);
     3. the VJP of the expanded decays (gamma <- g, a cumsum) in jnp.
@@ -344,7 +345,7 @@ def _states_bwd(config, residuals, cotangents):
     added to dk inside the WY VJP kernel, which also rounds dk and dv to the inputs' dtype, so
     neither the sum nor the casts costs a pass over HBM.
     """
-    k, v, beta, g, runs, initial_state, (w, inverse, h_p, v_new_p) = residuals
+    k, v, beta, g, runs, initial_state, (w, inverse, h_sub, v_new_p) = residuals
     chunk_size, m, interpret = config
     dh, dv_new, dfinal, dk_through = cotangents
     positions, key_dim = k.shape[1], k.shape[3]
@@ -357,7 +358,7 @@ def _states_bwd(config, residuals, cotangents):
     # upcasts its loads, where a float32 copy here would cost a pass over HBM each.
     pad_positions = functools.partial(_pad_positions, padded_positions=padded_positions)
     dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
-        k_p, w, gamma, runs_p, h_p, v_new_p, pad_state(dh, kp, vp), pad_positions(dv_new, width=vp),
+        k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh, kp, vp), pad_positions(dv_new, width=vp),
         pad_state(dfinal, kp, vp), chunk_size=sub, num_householder=1,
         with_initial_state=initial_state is not None, subchunks=chunk_size * m // sub,
         dot_dtype=dispatch.walk_bwd_dot_dtype(k.dtype), interpret=interpret)

@@ -268,76 +268,43 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
 
 def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_ref,
                      dk_ref, dw_ref, dgamma_ref, *, num_householder: int, chunk_size: int,
-                     subchunks: int, block_k: int, block_v: int, dot_dtype):
+                     block_k: int, block_v: int, dot_dtype):
     """One program per (head, chunk, batch row): dw, dk and dgamma of chunk c from the walk's dvt
-    and dS_c, the forward's v_new and h[c] (see the module docstring). k, v_new, g and runs hold
-    the rows of c's whole group of ``subchunks`` chunks and h the state before the group; h[c]
-    is walked forward from it through the group's earlier chunks (e of them, c's place in the
-    group): h <- [no reset] (d_i h + kd_i^T v_new_i)."""
+    and dS_c and the forward's h[c] and v_new (see the module docstring)."""
     has_g, has_segments = g_ref is not None, runs_ref is not None
     f32 = jnp.float32
     key_dim, value_dim = h_ref.shape
     key_blocks = [pl.ds(s, block_k) for s in range(0, key_dim, block_k)]
     value_blocks = [pl.ds(s, block_v) for s in range(0, value_dim, block_v)]
     is_last = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
-    place = pl.program_id(1) % subchunks
-
-    def chunk_rows(i):
-        return pl.ds(pl.multiple_of(i * chunk_size, chunk_size), chunk_size)
-
-    def coefficients(i):
-        """(a [BT], d, run_first, run_last) of the group's chunk i."""
-        rows = chunk_rows(i)
-        segment = None
-        if has_segments:
-            run = runs_ref[rows]
-            segment = (run, jnp.min(run), jnp.max(run))                   # runs never decrease
-        coeff, carry_in = _decay_coefficients(g_ref[rows] if has_g else None, segment, is_last)
-        bounds = (segment[1], segment[2]) if has_segments else (None, None)
-        return (coeff, carry_in) + bounds
-
-    coeff, carry_in, _, _ = coefficients(place)
-    rows = chunk_rows(place)
-
-    def state_tile(kb, vb):
-        """h[c][kb, vb] in float32: the stored state walked through chunks 0 .. place-1."""
-        def step(i, h):
-            coeff_i, carry_i, _, run_last = coefficients(i)
-            rows_i = chunk_rows(i)
-            h = carry_i * h
-            for m in range(num_householder):
-                kd = (coeff_i[:, None] * k_ref[rows_i, m, kb].astype(f32)).astype(dot_dtype)
-                h += plgpu.dot(kd, v_new_ref[rows_i, m, vb].astype(dot_dtype), trans_a=True)
-            if has_segments:                          # a segment starting at chunk i+1 resets
-                h = jnp.where(jnp.min(runs_ref[chunk_rows(i + 1)]) != run_last, 0.0, h)
-            return h
-        h = h_ref[kb, vb].astype(f32)
-        if subchunks == 1:
-            return h
-        return jax.lax.fori_loop(0, place, step, h)
+    g = g_ref[...] if has_g else None
+    segment = None
+    if has_segments:
+        run = runs_ref[...]
+        segment = (run, jnp.min(run), jnp.max(run))                       # runs never decrease
+    coeff, carry_in = _decay_coefficients(g, segment, is_last)
 
     def one_copy(m, carry):
         z_sum, hds = carry
         z = jnp.zeros((chunk_size,), f32)
-        for kb in key_blocks:       # dkd, then dw: one [BT, BK] accumulator live at a time
+        for kb in key_blocks:
+            dw = jnp.zeros((chunk_size, block_k), f32)
             dkd = jnp.zeros((chunk_size, block_k), f32)
             for vb in value_blocks:
-                v_new = v_new_ref[rows, m, vb].astype(dot_dtype)
-                dkd += plgpu.dot(v_new, dstate_ref[kb, vb].astype(dot_dtype), trans_b=True)
-            dk_ref[:, m, kb] = (coeff[:, None] * dkd).astype(dk_ref.dtype)   # v_new dS^T
-            z += jnp.sum(k_ref[rows, m, kb].astype(f32) * dkd, axis=1)
-            dw = jnp.zeros((chunk_size, block_k), f32)
-            for vb in value_blocks:
-                h = state_tile(kb, vb)
-                dw -= plgpu.dot(dvt_ref[:, m, vb].astype(dot_dtype), h.astype(dot_dtype),
-                                trans_b=True)                                # -dvt h^T
-                if has_g:   # h o dS (first copy only), summed once
-                    hds += jnp.where(m == 0, jnp.sum(h * dstate_ref[kb, vb].astype(f32), axis=1), 0.0)
+                dvt = dvt_ref[:, m, vb].astype(dot_dtype)                  # [BT, BV]
+                v_new = v_new_ref[:, m, vb].astype(dot_dtype)
+                h, ds = h_ref[kb, vb], dstate_ref[kb, vb]
+                dw -= plgpu.dot(dvt, h.astype(dot_dtype), trans_b=True)      # -dvt h^T
+                dkd += plgpu.dot(v_new, ds.astype(dot_dtype), trans_b=True)  # v_new dS^T
+                if has_g:   # h o dS from the tiles loaded for the dots (first copy only),
+                    hds += jnp.where(m == 0, h.astype(f32) * ds.astype(f32), 0.0)   # summed once
             dw_ref[:, m, kb] = dw.astype(dw_ref.dtype)
+            dk_ref[:, m, kb] = (coeff[:, None] * dkd).astype(dk_ref.dtype)
+            z += jnp.sum(k_ref[:, m, kb].astype(f32) * dkd, axis=1)
         return z_sum + LN2 * coeff * z, hds                               # z_j, summed over copies
 
     z_sum = jnp.zeros((chunk_size,), f32)
-    hds = jnp.zeros((block_k,), f32)
+    hds = jnp.zeros((block_k, block_v), f32)
     if num_householder == 1:
         z_sum, hds = one_copy(0, (z_sum, hds))
     else:
@@ -363,10 +330,10 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     ``dot_dtype`` (float32 by default, TF32 on the GPU) is the dtype both kernels round their dots'
     operands to (float32 accumulation, float32 carried state), and the dtype of the intermediates
     they pass through HBM (dvt, the per-chunk dS) and of dw, du.
-    ``subchunks`` > 1 (``chunk_h_pallas``'s): h and dh [B, NT / subchunks, H, K, V] hold the
-    states stored before every ``subchunks``-th chunk and their cotangents (the epilogue walks the
-    other chunks' states forward from them); T must then be a multiple of chunk_size * subchunks.
-    The result is then the VJP of ``chunk_h_pallas(subchunks=...)``.
+    ``subchunks`` > 1 (``chunk_h_pallas``'s): dh [B, NT / subchunks, H, K, V] holds the cotangents
+    of the states stored before every ``subchunks``-th chunk, while h (the residual) holds all NT
+    chunks' states; T must then be a multiple of chunk_size * subchunks. The result is then the
+    VJP of ``chunk_h_pallas(subchunks=...)``.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v_new.shape[-1]
@@ -386,30 +353,24 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     # The epilogue, chunk-parallel: dw = -dvt h^T and dkd = v_new dS^T sum over the whole V (see
     # the module docstring), on [BT, 64] tiles, reading h[c] and dS_c once per copy.
     block_k, block_v = min(kp, 64), min(vp, 64)
-    n = subchunks                 # k, v_new, g and runs: the chunk's whole group; h: the group's
-    group = chunk_size * n
     key_stream = pl.BlockSpec((None, chunk_size, m, None, kp), lambda hd, c, b: (b, c, 0, hd, 0))
     value_stream = pl.BlockSpec((None, chunk_size, m, None, vp), lambda hd, c, b: (b, c, 0, hd, 0))
-    group_keys = pl.BlockSpec((None, group, m, None, kp), lambda hd, c, b: (b, c // n, 0, hd, 0))
-    group_values = pl.BlockSpec((None, group, m, None, vp), lambda hd, c, b: (b, c // n, 0, hd, 0))
     state = pl.BlockSpec((None, None, None, kp, vp), lambda hd, c, b: (b, c, hd, 0, 0))
-    group_state = pl.BlockSpec((None, None, None, kp, vp), lambda hd, c, b: (b, c // n, hd, 0, 0))
     per_token = pl.BlockSpec((None, chunk_size, None), lambda hd, c, b: (b, c, hd))
-    group_tokens = pl.BlockSpec((None, group, None), lambda hd, c, b: (b, c // n, hd))
     g_p = None if g is None else jnp.pad(g.astype(f32), ((0, 0), (0, pad_t), (0, 0)), mode="edge")
     runs_p = None if runs is None else jnp.pad(runs.astype(jnp.int32), ((0, 0), (0, pad_t)),
                                                mode="edge")
     operands = (stream_layout(k, kp, pad_t, m), stream_layout(v_new, vp, pad_t, m),
                 dvt.reshape(batch, t_pad, m, heads, vp), pad_state(h, kp, vp), dstate, g_p, runs_p)
-    in_specs = (group_keys, group_values, value_stream, group_state, state,
-                None if g is None else group_tokens,
-                None if runs is None else pl.BlockSpec((None, group), lambda hd, c, b: (b, c // n)))
+    in_specs = (key_stream, value_stream, value_stream, state, state,
+                None if g is None else per_token,
+                None if runs is None else pl.BlockSpec((None, chunk_size), lambda hd, c, b: (b, c)))
     out_shape = (jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), dvt.dtype),    # dk
                  jax.ShapeDtypeStruct((batch, t_pad, m, heads, kp), dvt.dtype),    # dw
                  None if g is None else jax.ShapeDtypeStruct((batch, t_pad, heads), f32))
     out_specs = (key_stream, key_stream, None if g is None else per_token)
     kernel = functools.partial(_epilogue_kernel, num_householder=m, chunk_size=chunk_size,
-                               subchunks=subchunks, block_k=block_k, block_v=block_v, dot_dtype=dvt.dtype)
+                               block_k=block_k, block_v=block_v, dot_dtype=dvt.dtype)
     dk, dw, dgamma = triton_call(
         kernel, *operands, name="gdp_chunk_h_bwd_epilogue", grid=(heads, num_chunks, batch),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

@@ -104,18 +104,15 @@ def default_sub_chunks_per_program(dtype, key_dim: int, value_dim: int, sub_chun
     return 1
 
 
-def _wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
-               key_scale_ref, *, sub_chunk: int, substituted_rows: int, sub_chunks_per_program: int):
+def _wy_kernel(*refs, sub_chunk: int, substituted_rows: int, sub_chunks_per_program: int):
+    solve = functools.partial(_wy_sub_chunk, *refs, sub_chunk=sub_chunk,
+                              substituted_rows=substituted_rows)
     if sub_chunks_per_program == 1:
-        _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
-                      key_scale_ref, 0, sub_chunk=sub_chunk, substituted_rows=substituted_rows,
-                      unroll=False)
+        solve(0, unroll=False)
         return
 
     def one(j, carry):
-        _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
-                      key_scale_ref, pl.multiple_of(j * sub_chunk, sub_chunk), sub_chunk=sub_chunk,
-                      substituted_rows=substituted_rows, unroll=True)
+        solve(pl.multiple_of(j * sub_chunk, sub_chunk), unroll=True)
         return carry
 
     jax.lax.fori_loop(0, sub_chunks_per_program, one, 0)

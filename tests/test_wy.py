@@ -366,3 +366,21 @@ def test_wy_default_sub_chunks_per_program():
     assert rule(jnp.float16, 64, 32, 12) == 4
     assert rule(jnp.float32, 128, 128, 8) == 1
     assert rule(jnp.bfloat16, 256, 128, 8) == 1
+
+
+def test_wy_bwd_16_bit_inverse():
+    """The forward can keep T in bfloat16 (``inverse_dtype``): with bfloat16 operands the VJP
+    rounds T to that before every dot anyway, so its results are the same bits as from the
+    float32 T; and T itself is the float32 one rounded once."""
+    sub_chunk = 32
+    primals, cotangents = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=3, key_dim=32,
+                                      value_dim=64, gated=True, segments=True, dtype="bfloat16")
+    forward = lambda dtype: jax.jit(functools.partial(
+        wy_pallas, sub_chunk=sub_chunk, out_dtype=jnp.bfloat16, interpret=True, return_inverse=True,
+        inverse_dtype=dtype))(*primals)[2]
+    t32, t16 = forward(jnp.float32), forward(jnp.bfloat16)
+    chex.assert_type([t32, t16], [jnp.float32, jnp.bfloat16])
+    np.testing.assert_array_equal(np.asarray(t16), np.asarray(t32.astype(jnp.bfloat16)))
+    vjp = lambda t: jax.jit(functools.partial(wy_bwd_pallas, sub_chunk=sub_chunk, interpret=True,
+                                              operand_dtype=jnp.bfloat16))(*primals, t, *cotangents)
+    chex.assert_trees_all_equal(vjp(t16), vjp(t32))

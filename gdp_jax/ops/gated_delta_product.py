@@ -280,8 +280,8 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
 
     ``every_sub_chunk`` (the custom_vjp's forward) also returns what the backward needs:
     (h, v_new, final_state, (w, inverse, h_sub, v_new_p)), with w [B, P_pad, H, Kp], the WY
-    stage's inverses [B, P_pad, H, sub] float32 (None where the backward does not use them) and,
-    on the padded sub-chunk grid, the state before every sub-chunk h_sub [B, NS, H, Kp, Vp] and
+    stage's inverses [B, P_pad, H, sub] (float32, or the WY VJP's 16-bit operand dtype; None
+    where the backward does not use them) and, on the padded sub-chunk grid, the state before every sub-chunk h_sub [B, NS, H, Kp, Vp] and
     v_new_p [B, P_pad, H, Vp].
 
     ``normalize_keys`` (use_qk_l2norm, the undifferentiated forward only): the WY kernel
@@ -295,9 +295,12 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
         k, v, beta, g, runs, initial_state, chunk_size, m)
     work_dtype = dispatch.work_dtype(k.dtype)
     keep_inverse = every_sub_chunk and dispatch.wy_bwd_runs_kernel(k.dtype, interpret)
+    # Kept in the VJP's operand dtype where it has one: it rounds T to that before each dot.
+    inverse_dtype = dispatch.wy_bwd_dots(k.dtype)[1] or jnp.float32
     w, u, *extra = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
                              out_dtype=work_dtype, interpret=interpret,
-                             return_inverse=keep_inverse, normalize_keys=normalize_keys)
+                             return_inverse=keep_inverse, inverse_dtype=inverse_dtype,
+                             normalize_keys=normalize_keys)
     inverse = extra[:1] if keep_inverse else []
     key_scale = extra[-1] if normalize_keys else None
     # The walk stores h at token-chunk boundaries and, for the backward, at every sub-chunk too

@@ -37,8 +37,8 @@ sum_i Z_ji = beta_j k_j·P1_j, sum_j Z_ji = k_i·P2_i, so one pass over the key 
 all. Nothing divides by beta (padding positions have beta = 0).
 
 Kernel structure. The inverse T is the forward kernel's own (``wy_pallas(..., return_inverse=True)``
-keeps it, float32, as [B, P, H, S]: row j holds T[j, :] of its sub-chunk), so nothing serial is
-redone here and every step is a whole-tile dot on tensor cores. Per program (one sub-chunk):
+keeps it as [B, P, H, S], row j holding T[j, :] of its sub-chunk; float32, or the 16-bit operand
+dtype, which loses nothing: the dots round T to it anyway), so nothing serial is redone here and every step is a whole-tile dot on tensor cores. Per program (one sub-chunk):
 
   1. value columns (``block_cols`` wide): M = du Ru^T, dRu = T^T du, dv = beta dRu, sums v·dRu;
   2. key columns: M += dw Rw^T;

@@ -249,10 +249,10 @@ def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inv
 
 
 def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: bool = False,
-              return_inverse: bool = False, normalize_keys: bool = False,
+              return_inverse: bool = False, inverse_dtype=jnp.float32, normalize_keys: bool = False,
               block_sizes: Optional[BlockSizes] = None):
     """(w [B, P, H, K], u [B, P, H, V]) in ``out_dtype``, per sub-chunk of ``sub_chunk`` positions;
-    with ``return_inverse`` also T = (I + A)^{-1} [B, P, H, S] float32 (row j: T[j, :] of its
+    with ``return_inverse`` also T = (I + A)^{-1} [B, P, H, S] in ``inverse_dtype`` (row j: T[j, :] of its
     sub-chunk, zero above the diagonal), which the backward (``wy.pallas_bwd``) reuses.
 
     k [B, P, H, K], v [B, P, H, V] (one dtype: float32, bfloat16 or float16), beta [B, P, H];
@@ -289,7 +289,7 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
                 None if runs is None else pl.BlockSpec((None, block), lambda hd, s, b: (b, s)))
     out_shape = (jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),
-                 jax.ShapeDtypeStruct((batch, positions, heads, sub_chunk), jnp.float32)
+                 jax.ShapeDtypeStruct((batch, positions, heads, sub_chunk), inverse_dtype)
                  if return_inverse else None,
                  jax.ShapeDtypeStruct((batch, positions, heads), jnp.float32)
                  if normalize_keys else None)

@@ -177,6 +177,24 @@ def test_walk_every_chunk_too_and_subchunks():
     assert_close(h_every, p.ref["h"], tolerance("float32"), "h")
 
 
+@pytest.mark.parametrize("per_step", [1, 2])
+def test_walk_chunks_per_step(per_step):
+    """A loop step of fewer sub-chunks than a stored chunk's (h stored under a condition) gives
+    the same bits as one step per stored chunk, every_chunk_too included, and the recurrence's h."""
+    p = build(Case(100, 32, 16, 2, 16))
+    kw = dict(chunk_size=16, num_householder=2, subchunks=4, every_chunk_too=True, interpret=True)
+    w, u = jax.jit(functools.partial(wy_xla, chunk_size=16, num_householder=2))(
+        p.k, p.v, p.beta, p.g, p.runs)
+    walk = lambda sizes: jax.jit(functools.partial(chunk_h_pallas, **kw, block_sizes=sizes))(
+        p.k, w, u, p.g, p.runs, p.initial_state)
+    want = walk(BlockSizes())
+    got = walk(BlockSizes(chunks_per_step=per_step))
+    chex.assert_trees_all_equal(got, want)
+    assert_close(got[3][:, :p.ref["h"].shape[1]], p.ref["h"], tolerance("float32"), "h")
+    with pytest.raises(ValueError, match="chunks_per_step must divide subchunks = 4; got 3"):
+        walk(BlockSizes(chunks_per_step=3))
+
+
 def test_walk64_matches_recurrence():
     """The backward's float64 reference walk reproduces the recurrence (w, u float32 from wy_xla)."""
     case = Case(77, 16, 32, 2, 16)

@@ -28,10 +28,14 @@ from gdp_jax._src.pallas import plgpu, triton_call
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Launch parameters of the walk: one program per (value block, head, batch row);
-    ``block_v`` None means min(V, 64). ``default_block_sizes`` picks them per problem."""
+    ``block_v`` None means min(V, 64). ``chunks_per_step``: on the sub-chunk grid
+    (``subchunks`` > 1), the sub-chunks one loop step takes, a divisor of ``subchunks`` (None:
+    all of a token chunk's); fewer rows a step let two stages fit in shared memory where a whole
+    token chunk's do not. ``default_block_sizes`` picks them per problem."""
     block_v: Optional[int] = None
     num_warps: int = 4
     num_stages: int = 1
+    chunks_per_step: Optional[int] = None
 
 
 # Bytes of k, w and u one loop step loads (the M sub-chunks of one token chunk at K = V = 128,
@@ -73,7 +77,7 @@ def decay_and_run_operands(g, runs, pad_tokens: int):
 
 def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref, h_ref, v_new_ref,
                     final_ref, h_every_ref, *, num_householder: int, chunk_size: int, num_chunks: int,
-                    subchunks: int, dot_dtype):
+                    subchunks: int, chunks_per_step: int, dot_dtype):
     key_dim, block_v = h_ref.shape[-2], h_ref.shape[-1]
     has_g, has_segments = g_ref is not None, runs_ref is not None
     if h0_ref is not None:
@@ -81,7 +85,7 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
     else:
         state = jnp.zeros((key_dim, block_v), jnp.float32)
 
-    def one_chunk(c, state, h_index):
+    def one_chunk(c, state, h_index, store_h=None):
         first = c * chunk_size
         last = first + chunk_size - 1                   # padding repeats the last real token
         rows = pl.ds(first, chunk_size)
@@ -94,8 +98,12 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
             run_before = runs_ref[jnp.maximum(first - 1, 0)]
             reset = (c > 0) & (run_first != run_before)
             state = jnp.where(reset, 0.0, state)
-        if h_index is not None:
+        if h_index is not None and store_h is None:
             h_ref[h_index] = state.astype(h_ref.dtype)
+        elif h_index is not None:
+            @pl.when(store_h)
+            def _():
+                h_ref[h_index] = state.astype(h_ref.dtype)
         if h_every_ref is not None:
             h_every_ref[c] = state.astype(h_every_ref.dtype)
         if has_g:
@@ -131,7 +139,18 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
             state = one_chunk(c * subchunks + e, state, c if e == 0 else None)
         return state
 
-    final = jax.lax.fori_loop(0, num_chunks // subchunks, one_stored_chunk, state)
+    def one_step(s, state):              # chunks_per_step of them; h stored where c % subchunks == 0
+        for e in range(chunks_per_step):
+            c = s * chunks_per_step + e
+            n = jnp.int32(subchunks)    # lax's integer ops: jnp's % lowers to a select that Triton rejects
+            state = one_chunk(c, state, jax.lax.div(c, n) if e == 0 else None,
+                              store_h=jax.lax.rem(c, n) == 0 if e == 0 else None)
+        return state
+
+    if chunks_per_step == subchunks:
+        final = jax.lax.fori_loop(0, num_chunks // subchunks, one_stored_chunk, state)
+    else:
+        final = jax.lax.fori_loop(0, num_chunks // chunks_per_step, one_step, state)
     final_ref[...] = final.astype(final_ref.dtype)
 
 
@@ -171,6 +190,10 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size * subchunks * m,
                                                dot_dtype)
     block_v = sizes.block_v or min(vp, 64)
+    chunks_per_step = sizes.chunks_per_step or subchunks
+    if chunks_per_step < 1 or subchunks % chunks_per_step:
+        raise ValueError(f"chunk_h_pallas: chunks_per_step must divide subchunks = {subchunks}; "
+                         f"got {chunks_per_step}")
     t_pad = tokens + pad_t
     key_stream = pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0))
     value_stream = pl.BlockSpec((None, t_pad, m, None, block_v), lambda vb, hd, b: (b, 0, 0, hd, vb))
@@ -199,7 +222,7 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
                  states_spec(num_chunks) if every_chunk_too else None)
     kernel = functools.partial(
         _chunk_h_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
-        subchunks=subchunks, dot_dtype=jnp.dtype(dot_dtype))
+        subchunks=subchunks, chunks_per_step=chunks_per_step, dot_dtype=jnp.dtype(dot_dtype))
     h, v_new, final_state, h_every = triton_call(
         kernel, *operands, name="gdp_chunk_h_fwd", grid=(vp // block_v, heads, batch),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

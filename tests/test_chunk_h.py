@@ -311,18 +311,30 @@ def test_walk_bwd_default_block_sizes_table():
 
 
 def test_walk_default_block_sizes_table():
-    """RESULTS.md, "State walk": two stages for 16-bit dots where one loop step's k, w and u fit
-    (the full op's step is its token chunk, chunk_size * M rows), with or without h stored at
-    every sub-chunk (two stages measured 0.56-0.86x there too); one elsewhere."""
+    """RESULTS.md, "State walk": on the full op's sub-chunk grid without h at every sub-chunk, one
+    sub-chunk a step at two stages for 16-bit dots; elsewhere two stages for 16-bit dots where a
+    whole stored chunk's k, w and u fit (chunk_size * subchunks * M rows), one otherwise."""
     from gdp_jax.ops.chunk_h.pallas_fwd import default_block_sizes as walk_sizes
-    stages = lambda *a, **kw: walk_sizes(*a, **kw).num_stages
-    assert stages(128, 128, 64 * 2, jnp.bfloat16) == 2              # measured: 0.86x
-    assert stages(128, 128, 64 * 1, jnp.float16) == 2               # M = 1: 0.75x
-    assert stages(64, 64, 64 * 2, jnp.bfloat16) == 2                # K = 64: 0.56x
-    assert stages(64, 64, 64 * 3, jnp.bfloat16) == 2                # a smaller step than M = 2, K = 128
-    assert stages(100, 256, 64 * 2, jnp.bfloat16) == 2              # K padded to 128, 64-wide v blocks
-    assert stages(128, 128, 64 * 3, jnp.bfloat16) == 1              # measured: shared memory overflows
-    assert stages(256, 256, 64 * 2, jnp.bfloat16) == 1              # the same
-    assert stages(129, 128, 64 * 2, jnp.bfloat16) == 1              # K padded to 256
-    assert stages(128, 128, 64 * 2, jnp.float32) == 1               # measured: 1.9x slower
-    assert BlockSizes() == walk_sizes(128, 128, 64 * 3, jnp.bfloat16)
+    sizes = lambda *a, **kw: (lambda s: (s.num_stages, s.chunks_per_step))(walk_sizes(*a, **kw))
+    bf16 = jnp.bfloat16
+    # The full op's forward: chunk 64, M sub-chunks a token chunk, one row a sub-chunk position.
+    assert sizes(128, 128, 64, 2, 1, bf16) == (2, 1)                # measured: 0.89x
+    assert sizes(128, 128, 64, 3, 1, bf16) == (2, 1)                # measured: 0.79x
+    assert sizes(256, 256, 64, 2, 1, bf16) == (2, 1)                # measured: 0.76x
+    assert sizes(64, 64, 64, 2, 1, jnp.float16) == (2, 1)
+    assert sizes(128, 128, 64, 2, 1, jnp.float32) == (1, None)      # float32 dots: 1.9x slower
+    # Its backward's walk stores h at every sub-chunk: whole token chunks a step.
+    every = dict(every_chunk_too=True)
+    assert sizes(128, 128, 64, 2, 1, bf16, **every) == (2, None)    # one a step: 1.18x
+    assert sizes(128, 128, 64, 3, 1, bf16, **every) == (1, None)    # one a step: 1.02x
+    assert sizes(256, 256, 64, 2, 1, bf16, **every) == (1, None)    # shared memory overflows
+    assert sizes(64, 64, 64, 3, 1, bf16, **every) == (2, None)      # a smaller step than M = 2, K = 128
+    assert sizes(100, 256, 64, 2, 1, bf16, **every) == (2, None)    # K padded to 128, 64-wide v blocks
+    assert sizes(129, 128, 64, 2, 1, bf16, **every) == (1, None)    # K padded to 256
+    # The seed op's walk: a token chunk of M rows a token, no sub-chunk grid.
+    assert sizes(128, 128, 64, 1, 2, bf16) == (2, None)             # measured: 0.86x
+    assert sizes(128, 128, 64, 1, 1, jnp.float16) == (2, None)      # M = 1: 0.75x
+    assert sizes(64, 64, 64, 1, 2, bf16) == (2, None)               # K = 64: 0.56x
+    assert sizes(128, 128, 64, 1, 3, bf16) == (1, None)             # shared memory overflows
+    assert sizes(128, 128, 64, 1, 2, jnp.float32) == (1, None)
+    assert BlockSizes() == walk_sizes(128, 128, 64, 1, 3, bf16)

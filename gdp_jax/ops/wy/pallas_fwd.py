@@ -78,7 +78,7 @@ def default_substituted_rows(dtype, key_dim: int, value_dim: int) -> int:
     |---|---|---|
     | 16-bit inputs, K, V <= 128 | 4 | 3 serial steps and 4 dots a block: 0.88x the time of 16 (8: 0.93x, 2: 0.90x) |
     | 16-bit inputs, K or V = 256 | 16 | the kernel spills there; 4 took the op's forward to 1.19x |
-    | float32 inputs | 16 | the extra dots would be IEEE float32 FMA loops |
+    | float32 inputs | 16 | fewer rows add dots, and a float32 dot is three TF32 passes (not measured below 16) |
     """
     if jnp.dtype(dtype).itemsize == 2 and max(key_dim, value_dim) <= 128:
         return 4
@@ -94,7 +94,7 @@ def default_sub_chunks_per_program(dtype, key_dim: int, value_dim: int, sub_chun
     | 16-bit inputs, K, V <= 128, sub-chunks a multiple of 4 | 4 | the next sub-chunks' loads hide under the substitution: 0.91x at bf16 M = 2 and 3, 0.69x at K = 64 |
     | the same, sub-chunks a multiple of 2 | 2 | 0.93-0.95x at bf16 K = 128, 0.69x at K = 64 |
     | K or V = 256 | 1 | the loop takes 1.8-1.9x there (the kernel already spills) |
-    | float32 inputs | 1 | with TF32x3 dots the loop's unrolled substitution takes the compile from 14 s to 33 s (offline sm_90a) |
+    | float32 inputs | 1 | TF32x3 dots one a program: the op's forward 0.29x of IEEE dots four a program, first call 11 s; looping takes the compile from 14 s to 33 s (offline sm_90a) |
     | otherwise | 1 | a lone sub-chunk has nothing to overlap |
     """
     if jnp.dtype(dtype).itemsize == 2 and max(key_dim, value_dim) <= 128:

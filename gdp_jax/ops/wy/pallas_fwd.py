@@ -31,12 +31,10 @@ Precision, by input dtype (RESULTS.md, "Dtype rules of the full op"):
 
 | | float32 inputs | 16-bit inputs |
 |---|---|---|
-| gram blocks k_i k_l^T | TF32x3 (float32-level) | 16-bit operands, float32 accumulation (exact products) |
+| gram blocks k_i k_l^T | IEEE float32 | 16-bit operands, float32 accumulation (exact products) |
 | diagonal blocks' substitution | float32, whole blocks | float32, 4 x 4 sub-blocks |
-| the rest of the diagonal blocks, blocks of T below the diagonal | TF32x3 (errors in T multiply every later value) | TF32 tensor-core dots (T is rounded to 16 bits before it is applied) |
-| applying T to the right-hand sides | TF32x3 | T and the right-hand sides rounded to 16 bits, float32 accumulation, as fla does (w and u are stored in 16 bits) |
-
-TF32x3 (three TF32 passes) where the interpreter runs IEEE float32: the CPU has no TF32 dots.
+| the rest of the diagonal blocks, blocks of T below the diagonal | IEEE float32 (errors in T multiply every later value) | TF32 tensor-core dots (T is rounded to 16 bits before it is applied) |
+| applying T to the right-hand sides | IEEE float32 | T and the right-hand sides rounded to 16 bits, float32 accumulation, as fla does (w and u are stored in 16 bits) |
 
 Grid (H, sub-chunks / sub_chunks_per_program, B), heads fastest; no program reads another's output.
 """
@@ -51,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gdp_jax._src.layout import l2norm_scale
-from gdp_jax._src.pallas import plgpu, HIGHEST, TF32X3, triton_call
+from gdp_jax._src.pallas import plgpu, HIGHEST, triton_call
 
 _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
 
@@ -78,7 +76,7 @@ def default_substituted_rows(dtype, key_dim: int, value_dim: int) -> int:
     |---|---|---|
     | 16-bit inputs, K, V <= 128 | 4 | 3 serial steps and 4 dots a block: 0.88x the time of 16 (8: 0.93x, 2: 0.90x) |
     | 16-bit inputs, K or V = 256 | 16 | the kernel spills there; 4 took the op's forward to 1.19x |
-    | float32 inputs | 16 | fewer rows add dots, and a float32 dot is three TF32 passes (not measured below 16) |
+    | float32 inputs | 16 | the extra dots would be IEEE float32 FMA loops |
     """
     if jnp.dtype(dtype).itemsize == 2 and max(key_dim, value_dim) <= 128:
         return 4
@@ -86,29 +84,29 @@ def default_substituted_rows(dtype, key_dim: int, value_dim: int) -> int:
 
 
 def default_sub_chunks_per_program(dtype, key_dim: int, value_dim: int, sub_chunks: int) -> int:
-    """Sub-chunks per program for the inputs' dtype, the padded K, V and the number of sub-chunks
-    in a row (RESULTS.md, "WY kernel", sub-chunks per program):
+    """Sub-chunks per program for the padded K, V and the number of sub-chunks in a row (RESULTS.md,
+    "WY kernel", sub-chunks per program); the same for every input dtype:
 
     | case | per program | why |
     |---|---|---|
-    | 16-bit inputs, K, V <= 128, sub-chunks a multiple of 4 | 4 | the next sub-chunks' loads hide under the substitution: 0.91x at bf16 M = 2 and 3, 0.69x at K = 64 |
-    | the same, sub-chunks a multiple of 2 | 2 | 0.93-0.95x at bf16 K = 128, 0.69x at K = 64 |
+    | K, V <= 128, sub-chunks a multiple of 4 | 4 | the next sub-chunks' loads hide under the substitution: 0.91x at bf16 M = 2 and 3, 0.69x at K = 64, 0.68x for float32 |
+    | the same, sub-chunks a multiple of 2 | 2 | 0.93-0.95x at bf16 K = 128, 0.69x at K = 64, 0.71x for float32 |
     | K or V = 256 | 1 | the loop takes 1.8-1.9x there (the kernel already spills) |
-    | float32 inputs | 1 | TF32x3 dots one a program: the op's forward 0.29x of IEEE dots four a program, first call 11 s; looping takes the compile from 14 s to 33 s (offline sm_90a) |
     | otherwise | 1 | a lone sub-chunk has nothing to overlap |
+
+    For float32 the loop also lengthens the compile (offline sm_90a: 25.9 s against 23.3 s).
     """
-    if jnp.dtype(dtype).itemsize == 2 and max(key_dim, value_dim) <= 128:
+    del dtype   # measured alike for float32, float16 and bfloat16
+    if max(key_dim, value_dim) <= 128:
         for n in (4, 2):
             if sub_chunks % n == 0:
                 return n
     return 1
 
 
-def _wy_kernel(*refs, sub_chunk: int, substituted_rows: int, sub_chunks_per_program: int,
-               float32_precision):
+def _wy_kernel(*refs, sub_chunk: int, substituted_rows: int, sub_chunks_per_program: int):
     solve = functools.partial(_wy_sub_chunk, *refs, sub_chunk=sub_chunk,
-                              substituted_rows=substituted_rows,
-                              float32_precision=float32_precision)
+                              substituted_rows=substituted_rows)
     if sub_chunks_per_program == 1:
         solve(0, unroll=False)
         return
@@ -121,14 +119,13 @@ def _wy_kernel(*refs, sub_chunk: int, substituted_rows: int, sub_chunks_per_prog
 
 
 def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
-                  key_scale_ref, base, *, sub_chunk: int, substituted_rows: int, unroll: bool,
-                  float32_precision):
+                  key_scale_ref, base, *, sub_chunk: int, substituted_rows: int, unroll: bool):
     """One sub-chunk: the rows base .. base + sub_chunk of the refs. ``unroll``: the substitution
     steps as straight code (inside the sub-chunk loop, so that the loop has no inner loop)."""
     f32 = jnp.float32
     sixteen_bit = jnp.dtype(k_ref.dtype).itemsize == 2
     nb = sub_chunk // _BLOCK
-    gram_precision = None if sixteen_bit else float32_precision
+    gram_precision = None if sixteen_bit else HIGHEST
     rows_of = lambda i: pl.ds(base + i * _BLOCK, _BLOCK)
     has_g, has_segments = gamma_ref is not None, runs_ref is not None
 
@@ -179,7 +176,7 @@ def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inv
     for i in range(nb):
         a_diag = jnp.where(block_of == i, a[i, i][None, :, :], a_diag)
 
-    hdot = functools.partial(plgpu.dot, precision=float32_precision)
+    hdot = functools.partial(plgpu.dot, precision=HIGHEST)
     inverse_dot = functools.partial(plgpu.dot, precision=None) if sixteen_bit else hdot
     # The diagonal blocks' sub-blocks of `sub` rows are substituted together (sub - 1 steps); the
     # rest of each block follows by dots, doubling the inverted width: T = T_h - T_h L T_h, T_h the
@@ -295,11 +292,8 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
                  if normalize_keys else None)
     out_specs = (rows(key_dim), rows(value_dim), rows(sub_chunk) if return_inverse else None,
                  per_position if normalize_keys else None)
-    # float32 inputs: TF32x3 dots (float32-level products on the tensor cores); the interpreter's
-    # CPU dots have no TF32 algorithms and run IEEE float32.
     kernel = functools.partial(_wy_kernel, sub_chunk=sub_chunk, substituted_rows=substituted_rows,
-                               sub_chunks_per_program=n,
-                               float32_precision=HIGHEST if interpret else TF32X3)
+                               sub_chunks_per_program=n)
     w, u, inverse, key_scale = triton_call(
         kernel, *operands, name="gdp_wy_fwd",
         grid=(heads, positions // block, batch), in_specs=in_specs, out_specs=out_specs,

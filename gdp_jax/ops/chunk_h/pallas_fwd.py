@@ -53,8 +53,8 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks
     | case | choice | why |
     |---|---|---|
     | all | 64 value columns, 4 warps | fastest of the block_v x warps sweep |
-    | 16-bit dots, sub-chunk grid, h at token chunks only, a sub-chunk <= TWO_STAGE_STEP_BYTES | one sub-chunk a step, 2 stages | 0.79x at M = 3 (whole chunks: 1 stage), 0.76x at K = 256, 0.89x at M = 2 (whole chunks at 2 stages) |
-    | other 16-bit dots, a step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time (0.56-0.86x also storing h at every sub-chunk); one sub-chunk a step took 1.18x at M = 2 and 1.02x at M = 3 there |
+    | 16-bit dots, sub-chunk grid, h at token chunks only, padded K >= 128, a sub-chunk <= TWO_STAGE_STEP_BYTES | one sub-chunk a step, 2 stages | 0.79x at M = 3 (whole chunks: 1 stage), 0.76x at K = 256, 0.89x at M = 2 (whole chunks at 2 stages) |
+    | other 16-bit dots, a step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time (0.56-0.86x also storing h at every sub-chunk); one sub-chunk a step took the op's forward to 1.06x at K = 64, and the walk to 1.18x at M = 2 and 1.02x at M = 3 with h at every sub-chunk |
     | larger steps, float32 dots | 1 stage | 2 stages overflow shared memory (larger steps) or run 1.9x slower (float32 dots) |
     """
     itemsize = jnp.dtype(dot_dtype).itemsize
@@ -62,7 +62,8 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks
     row_bytes = (2 * tile_width(key_dim) + block_v) * itemsize
     if itemsize != 2:
         return BlockSizes(num_stages=1)
-    if subchunks > 1 and not every_chunk_too and chunk_size * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES:
+    if (subchunks > 1 and not every_chunk_too and tile_width(key_dim) >= 128
+            and chunk_size * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES):
         return BlockSizes(num_stages=2, chunks_per_step=1)
     two = chunk_size * subchunks * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES
     return BlockSizes(num_stages=2 if two else 1)

@@ -25,7 +25,8 @@ applied as dataclasses.replace(default_block_sizes(...), **fields); values are i
 None, floats or strings. A few stages also take kernel options that are not launch sizes (walk:
 dot_dtype, every_chunk_too; walk_bwd: dot_dtype; wy_bwd: operand_dtype, precision), given the
 same way; e.g. ``--stage walk --configs "one:every_chunk_too=1,num_stages=1;two:every_chunk_too=1,num_stages=2"``
-times the walk of the backward's forward with one and two stages. The default always
+times the walk of the backward's forward with one and two stages (its fields override that
+walk's own default, ``every_chunk_too=True`` in the launch table). The default always
 runs first. Each config: jit, run on input set 0 and compare every output with the default's
 (largest relative Frobenius difference; over --max-err or non-finite marks it BAD), then time it.
 ``--rounds N`` alternates the configs within this process for N rounds (A/B: the same kernel
@@ -259,11 +260,17 @@ class Walk(Wy):
             out.append((k, w, u, gamma, runs))
         return out
 
-    def default(self, shape, p):
+    def default(self, shape, p, every_chunk_too: bool = False):
+        """The op's forward walk's sizes; with ``every_chunk_too`` its backward's (the base a
+        config that sets that option overrides)."""
         from gdp_jax.ops.chunk_h import pallas_fwd
         grid = self.grid[0]
-        return pallas_fwd.default_block_sizes(shape["K"], shape["V"], grid["sub"] * grid["subchunks"],
-                                              grid["work_dtype"])
+        self._shape, self._p = shape, p
+        return pallas_fwd.default_block_sizes(shape["K"], shape["V"], grid["sub"], grid["subchunks"],
+                                              1, grid["work_dtype"], every_chunk_too)
+
+    def base(self, default, options):
+        return self.default(self._shape, self._p, True) if options.get("every_chunk_too") else default
 
     def call(self, sizes, options, shape, p, interpret):
         import jax.numpy as jnp
@@ -394,14 +401,17 @@ STAGES = dict(chunk_o_fwd=ChunkOFwd, chunk_o_fwd_mosaic=ChunkOFwdMosaic, chunk_o
 
 def make_sizes(stage, default, overrides):
     """(BlockSizes, options) for overrides, or raises ValueError (unknown field, a size that does not
-    tile the problem)."""
+    tile the problem). A stage's ``base(default, options)``, where it has one, replaces the default
+    the overrides apply to (the walk's backward form takes other sizes than its forward)."""
     fields = {f.name for f in dataclasses.fields(default)}
     unknown = set(overrides) - fields - set(stage.options)
     if unknown:
         raise ValueError(f"unknown fields {sorted(unknown)}; {type(default).__module__}.BlockSizes "
                          f"has {sorted(fields)}" + (f", options {sorted(stage.options)}" if stage.options else ""))
-    sizes = dataclasses.replace(default, **{k: v for k, v in overrides.items() if k in fields})
-    return sizes, {k: v for k, v in overrides.items() if k in stage.options}
+    options = {k: v for k, v in overrides.items() if k in stage.options}
+    base = stage.base(default, options) if hasattr(stage, "base") else default
+    sizes = dataclasses.replace(base, **{k: v for k, v in overrides.items() if k in fields})
+    return sizes, options
 
 
 # --------------------------------------------------------------------------------------------- run

@@ -388,6 +388,21 @@ def test_tune_walk_every_chunk_too_option(tmp_path, monkeypatch):
     assert set(seen) == {False, True}
 
 
+def test_tune_walk_defaults_of_forward_and_backward_walks(tmp_path):
+    """At K = 128 the forward walk's default takes one sub-chunk a step; a config with
+    every_chunk_too overrides the backward walk's default (whole token chunks) instead."""
+    out = tmp_path / "tune.json"
+    script("tune").main(["--stage", "walk", "--shapes", "B=1,T=40,H=1,K=128,V=16,M=2",
+                         "--dtype", "bf16", "--chunk", "16", "--configs",
+                         "every:every_chunk_too=1;fwd:num_warps=4", "--sets", "1", "--out", str(out),
+                         "--reps", "1", "--target-ms", "1", *COPY])
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["default"]["block_sizes"]["chunks_per_step"] == 1
+    assert rows["fwd"]["block_sizes"]["chunks_per_step"] == 1
+    assert rows["every"]["block_sizes"]["chunks_per_step"] is None, rows["every"]
+    assert all(r["ok"] for r in rows.values()), rows
+
+
 def test_tune_ab_rounds_list_and_budget(capsys):
     tune = script("tune")
     result = tune.main(["--stage", "chunk_o_fwd", "--shapes", "B=1,T=32,H=1,K=16,V=16,M=1",

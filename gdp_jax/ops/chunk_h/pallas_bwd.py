@@ -297,14 +297,14 @@ def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_r
                 dw -= plgpu.dot(dvt, h.astype(dot_dtype), trans_b=True)      # -dvt h^T
                 dkd += plgpu.dot(v_new, ds.astype(dot_dtype), trans_b=True)  # v_new dS^T
                 if has_g:   # h o dS from the tiles loaded for the dots (first copy only),
-                    hds += jnp.where(m == 0, jnp.sum(h.astype(f32) * ds.astype(f32), axis=1), 0.0)
+                    hds += jnp.where(m == 0, h.astype(f32) * ds.astype(f32), 0.0)   # summed once
             dw_ref[:, m, kb] = dw.astype(dw_ref.dtype)
             dk_ref[:, m, kb] = (coeff[:, None] * dkd).astype(dk_ref.dtype)
             z += jnp.sum(k_ref[:, m, kb].astype(f32) * dkd, axis=1)
         return z_sum + LN2 * coeff * z, hds                               # z_j, summed over copies
 
     z_sum = jnp.zeros((chunk_size,), f32)
-    hds = jnp.zeros((block_k,), f32)          # row sums of h o dS
+    hds = jnp.zeros((block_k, block_v), f32)
     if num_householder == 1:
         z_sum, hds = one_copy(0, (z_sum, hds))
     else:

@@ -195,7 +195,8 @@ def capture_chunk_o(names, out_dir):
 
 def capture_full_op(out_dir, shape=None):
     """Every kernel of the full op's forward and backward (bf16; ``shape`` a dict with B, T, H, K,
-    V, M, default B=8 T=4096 H=16 K=V=128 M=2)."""
+    V, M, default B=8 T=4096 H=16 K=V=128 M=2), and as NAME@primal those the undifferentiated
+    forward launches with another program (its own launch rules)."""
     import jax
     import jax.numpy as jnp
 
@@ -214,8 +215,13 @@ def capture_full_op(out_dir, shape=None):
 
     with _Capture() as cap:
         _lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), args)
+    with _Capture() as primal:    # the undifferentiated forward launches some kernels otherwise
+        _lower(lambda *a: loss(*a), args)
+    grad_irs = {kernel["name"]: kernel["ir"] for kernel in cap.kernels}
+    kernels = cap.kernels + [dict(kernel, name=kernel["name"] + "@primal") for kernel in primal.kernels
+                             if grad_irs.get(kernel["name"]) != kernel["ir"]]
     meta = {}
-    for kernel in cap.kernels:
+    for kernel in kernels:
         name = kernel["name"]
         if name in meta:
             continue

@@ -507,6 +507,15 @@ def test_codegen_captures_the_triton_ir(tmp_path, capsys):
     assert "Triton IR in" in capsys.readouterr().out
 
 
+def test_codegen_full_op_has_the_primal_forwards_own_kernels(tmp_path):
+    """--case full lists the grad path's kernels and, as NAME@primal, the undifferentiated
+    forward's where they differ: its walk takes one sub-chunk a step at K = 128."""
+    meta = script("codegen").main(["--out", str(tmp_path), "--case", "full",
+                                   "--shape", "B=1,T=256,H=1,K=128,M=2"])
+    assert {"gdp_wy_fwd", "gdp_chunk_h_fwd", "gdp_chunk_h_bwd", "gdp_chunk_h_fwd@primal"} <= set(meta)
+    assert "tt.func" in (tmp_path / "gdp_chunk_h_fwd@primal.ttir").read_text()
+
+
 # ---------------------------------------------------------------------------- bench_sharding.py
 def test_bench_sharding_one_device(tmp_path):
     out = tmp_path / "sharding.json"

@@ -349,7 +349,7 @@ def test_full_op(case, l2norm):
     """o and the final state against the recurrence, and the gradients in every input against
     float64 autodiff of it: the Pallas path's custom_vjps compiled (walk VJP kernels; the WY VJP
     kernel for 16-bit inputs, wy_bwd_xla for float32; chunk_o's backward kernel, on Mosaic GPU
-    for the 16-bit cases on jax >= 0.11)."""
+    for the 16-bit cases on jax >= 0.11); then the undifferentiated forward's o and final state."""
     p = build(case, qk_l2norm=l2norm)
     do, dfinal, expected = recurrence_grads(p, qk_l2norm=l2norm)
     names = [n for n in GRAD_NAMES if expected[n] is not None]
@@ -373,6 +373,10 @@ def test_full_op(case, l2norm):
     for n in names:
         chex.assert_type(grads[n], primals[n].dtype)
     assert_all_close(grads, {n: expected[n] for n in names}, gpu_tol(case.dtype))
+    # The undifferentiated forward has launch rules of its own (the walk's step, for one).
+    o, final_state = jax.jit(lambda *a: loss(*a)[1])(*[primals[n] for n in names])
+    assert_close(o, p.ref["o"], gpu_tol(case.dtype), "o (undifferentiated)")
+    assert_close(final_state, p.ref["final_state"], gpu_tol(case.dtype), "final_state (undifferentiated)")
 
 
 # use_qk_l2norm's undifferentiated forward (dispatch.l2norm_fused), the keys' factors made in the

@@ -281,8 +281,8 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     ``every_sub_chunk`` (the custom_vjp's forward) also returns what the backward needs:
     (h, v_new, final_state, (w, inverse, h_sub, v_new_p)), with w [B, P_pad, H, Kp], the WY
     stage's inverses [B, P_pad, H, sub] (float32, or the WY VJP's 16-bit operand dtype; None
-    where the backward does not use them) and, on the padded sub-chunk grid, the state before every sub-chunk h_sub [B, NS, H, Kp, Vp] and
-    v_new_p [B, P_pad, H, Vp].
+    where the backward does not use them) and, on the padded sub-chunk grid, the state before
+    every sub-chunk h_sub [B, NS, H, Kp, Vp] and v_new_p [B, P_pad, H, Vp].
 
     ``normalize_keys`` (use_qk_l2norm, the undifferentiated forward only): the WY kernel
     solves for k L2-normalised per position and returns the factors, which the walk applies;

@@ -38,7 +38,8 @@ all. Nothing divides by beta (padding positions have beta = 0).
 
 Kernel structure. The inverse T is the forward kernel's own (``wy_pallas(..., return_inverse=True)``
 keeps it as [B, P, H, S], row j holding T[j, :] of its sub-chunk; float32, or the 16-bit operand
-dtype, which loses nothing: the dots round T to it anyway), so nothing serial is redone here and every step is a whole-tile dot on tensor cores. Per program (one sub-chunk):
+dtype, which loses nothing: the dots round T to it anyway), so nothing serial is redone here and
+every step is a whole-tile dot on tensor cores. Per program (one sub-chunk):
 
   1. value columns (``block_cols`` wide): M = du Ru^T, dRu = T^T du, dv = beta dRu, sums v·dRu;
   2. key columns: M += dw Rw^T;

@@ -249,8 +249,9 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
               return_inverse: bool = False, inverse_dtype=jnp.float32, normalize_keys: bool = False,
               block_sizes: Optional[BlockSizes] = None):
     """(w [B, P, H, K], u [B, P, H, V]) in ``out_dtype``, per sub-chunk of ``sub_chunk`` positions;
-    with ``return_inverse`` also T = (I + A)^{-1} [B, P, H, S] in ``inverse_dtype`` (row j: T[j, :] of its
-    sub-chunk, zero above the diagonal), which the backward (``wy.pallas_bwd``) reuses.
+    with ``return_inverse`` also T = (I + A)^{-1} [B, P, H, S] in ``inverse_dtype`` (row j:
+    T[j, :] of its sub-chunk, zero above the diagonal), which the backward (``wy.pallas_bwd``)
+    reuses.
 
     k [B, P, H, K], v [B, P, H, V] (one dtype: float32, bfloat16 or float16), beta [B, P, H];
     gamma [B, P, H] float32 sub-chunk-local log2 decays (``cumsum.expanded_log2_decays``) or None;

@@ -312,8 +312,9 @@ def test_walk_bwd_default_block_sizes_table():
 
 def test_walk_default_block_sizes_table():
     """RESULTS.md, "State walk": on the full op's sub-chunk grid without h at every sub-chunk, one
-    sub-chunk a step at two stages for 16-bit dots from K = 128 up; elsewhere two stages for 16-bit dots where a
-    whole stored chunk's k, w and u fit (chunk_size * subchunks * M rows), one otherwise."""
+    sub-chunk a step at two stages for 16-bit dots from K = 128 up; elsewhere two stages for
+    16-bit dots where a whole stored chunk's k, w and u fit (chunk_size * subchunks * M rows),
+    one otherwise."""
     from gdp_jax.ops.chunk_h.pallas_fwd import default_block_sizes as walk_sizes
     sizes = lambda *a, **kw: (lambda s: (s.num_stages, s.chunks_per_step))(walk_sizes(*a, **kw))
     bf16 = jnp.bfloat16

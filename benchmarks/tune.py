@@ -265,12 +265,11 @@ class Walk(Wy):
         config that sets that option overrides)."""
         from gdp_jax.ops.chunk_h import pallas_fwd
         grid = self.grid[0]
-        self._shape, self._p = shape, p
         return pallas_fwd.default_block_sizes(shape["K"], shape["V"], grid["sub"], grid["subchunks"],
                                               1, grid["work_dtype"], every_chunk_too)
 
-    def base(self, default, options):
-        return self.default(self._shape, self._p, True) if options.get("every_chunk_too") else default
+    def base(self, default, options, shape, p):
+        return self.default(shape, p, True) if options.get("every_chunk_too") else default
 
     def call(self, sizes, options, shape, p, interpret):
         import jax.numpy as jnp
@@ -399,17 +398,18 @@ STAGES = dict(chunk_o_fwd=ChunkOFwd, chunk_o_fwd_mosaic=ChunkOFwdMosaic, chunk_o
               wy=Wy, walk=Walk, walk_bwd=WalkBwd, wy_bwd=WyBwd)
 
 
-def make_sizes(stage, default, overrides):
+def make_sizes(stage, default, overrides, shape, p):
     """(BlockSizes, options) for overrides, or raises ValueError (unknown field, a size that does not
-    tile the problem). A stage's ``base(default, options)``, where it has one, replaces the default
-    the overrides apply to (the walk's backward form takes other sizes than its forward)."""
+    tile the problem). A stage's ``base(default, options, shape, p)``, where it has one, replaces
+    the default the overrides apply to (the walk's backward form takes other sizes than its
+    forward)."""
     fields = {f.name for f in dataclasses.fields(default)}
     unknown = set(overrides) - fields - set(stage.options)
     if unknown:
         raise ValueError(f"unknown fields {sorted(unknown)}; {type(default).__module__}.BlockSizes "
                          f"has {sorted(fields)}" + (f", options {sorted(stage.options)}" if stage.options else ""))
     options = {k: v for k, v in overrides.items() if k in stage.options}
-    base = stage.base(default, options) if hasattr(stage, "base") else default
+    base = stage.base(default, options, shape, p) if hasattr(stage, "base") else default
     sizes = dataclasses.replace(base, **{k: v for k, v in overrides.items() if k in fields})
     return sizes, options
 
@@ -544,7 +544,7 @@ def run_configs(stage, plan, default, sets, shp, p0, args, phases, timing, bandw
                    config=name, overrides=over, default=name == "default")
         rows[name] = row
         try:
-            sizes, options = make_sizes(stage, default, over)
+            sizes, options = make_sizes(stage, default, over, shp, p0)
             stage.check(sizes, shp)
         except (ValueError, TypeError) as e:
             row["error"] = f"does not fit: {e}"

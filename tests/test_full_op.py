@@ -216,6 +216,30 @@ def test_l2norm_forward_inside_the_kernels(case, monkeypatch):
                             "rsqrt") == 2
 
 
+@pytest.mark.parametrize("case", [Case(77, 32, 16, 2, 16), Case(130, 16, 32, 3, 32, initial_state=False),
+                                  Case(70, 64, 32, 1, 64, gated=False, batch=1)], ids=lambda c: c.id)
+def test_float32_wy_stage_in_jnp(case, monkeypatch):
+    """dispatch.wy_fwd_runs_kernel's jnp route (compiled float32: ``wy_xla`` on the kernel's
+    sub-chunk grid, with wy_bwd_xla as its VJP), taken here in the interpreter: o, the final state and every input's
+    gradient against the recurrence, and use_qk_l2norm's fused forward (the keys' factors formed
+    in jnp) against the recurrence on normalised q, k."""
+    monkeypatch.setattr(dispatch, "wy_fwd_runs_kernel", lambda dtype, interpret: False)
+    monkeypatch.setattr(dispatch, "wy_bwd_runs_kernel", lambda dtype, interpret: False)
+    monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
+    p = build(case)
+    o, final_state = run_full_op(p, "interpret")
+    assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
+    assert_close(final_state, p.ref["final_state"], tolerance(case.dtype), "final_state")
+    _check_gradients(p, functools.partial(
+        gdp_jax.chunk_gated_delta_product, output_final_state=True, segment_ids=p.segment_ids,
+        chunk_size=case.chunk_size, implementation="interpret"), False)
+    q = build(case, qk_l2norm=True)
+    op = l2norm_op_of_qk(q, "interpret")
+    o, final_state = jax.jit(op)(q.q, q.k)
+    assert_close(o, q.ref["o"], tolerance(case.dtype), "o (use_qk_l2norm)")
+    assert_close(final_state, q.ref["final_state"], tolerance(case.dtype), "final_state (use_qk_l2norm)")
+
+
 def test_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
     """Where the undifferentiated forward is fused (threshold lowered), the
     gradient goes through _l2norm_op's custom_vjp (its forward rule the composed op, its
@@ -365,6 +389,8 @@ def test_dispatch_rules():
     assert [dispatch.walk_bwd_dot_dtype(d) for d in (f32, bf16, f16)] == [f32, bf16, f32]
     assert [dispatch.wy_bwd_runs_kernel(d, False) for d in (f32, bf16, f16)] == [False, True, True]
     assert dispatch.wy_bwd_runs_kernel(f32, True)
+    assert [dispatch.wy_fwd_runs_kernel(d, False) for d in (f32, bf16, f16)] == [False, True, True]
+    assert dispatch.wy_fwd_runs_kernel(f32, True)
     assert dispatch.wy_bwd_dots(f32) == (jax.lax.Precision.HIGHEST, None)
     assert dispatch.wy_bwd_dots(bf16) == (None, bf16)
     assert dispatch.wy_bwd_dots(f16) == (None, None)

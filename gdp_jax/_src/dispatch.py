@@ -213,6 +213,14 @@ def walk_bwd_dot_dtype(dtype):
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
+def wy_fwd_runs_kernel(dtype, interpret: bool) -> bool:
+    """Whether the full op's WY stage runs its Pallas kernel (``wy.pallas_fwd``): for 16-bit
+    inputs, and always in the interpreter. Compiled float32 inputs take ``wy_xla`` on the same
+    sub-chunk grid: the kernel's IEEE float32 dots are unrolled FMA loops, 25.8 ms at the
+    headline and a 23-26 s compile (RESULTS.md, "The WY sub-chunk loop")."""
+    return jnp.dtype(dtype).itemsize == 2 or interpret
+
+
 def wy_bwd_runs_kernel(dtype, interpret: bool) -> bool:
     """Whether the WY stage's VJP runs its Pallas kernel (from the forward's inverses): for 16-bit
     inputs, and always in the interpreter. Compiled float32 inputs take ``wy_bwd_xla``: IEEE

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
-from gdp_jax._src.layout import l2norm_factor, pad_state, tile_width
+from gdp_jax._src.layout import l2norm_factor, l2norm_scale, pad_state, tile_width
 from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas
 from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
@@ -74,7 +74,8 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       implementation: "pallas", "xla", "interpret", "mosaic", "mosaic_interpret" or None, as for
         chunk_gdp_fwd_o: "xla" is jnp throughout; "pallas" (GPU) and "interpret" run the WY,
         state-walk and output stages as Pallas kernels, forward and backward (compiled with
-        float32 inputs the WY stage's backward is jnp: IEEE float32 dots in that kernel spill).
+        float32 inputs the WY stage is jnp, forward and backward: IEEE float32 dots in its
+        kernels are FMA loops that spill and compile for over 20 s).
         Under "pallas", K or V above 256 run the jnp stages, and so does chunk_o where its
         kernels would not fit (see chunk_gdp_fwd_o). "mosaic" / "mosaic_interpret": the
         output stage on its Mosaic GPU kernels where chunk_gdp_fwd_o's rule takes them, the WY
@@ -297,12 +298,20 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     keep_inverse = every_sub_chunk and dispatch.wy_bwd_runs_kernel(k.dtype, interpret)
     # Kept in the VJP's operand dtype where it has one: it rounds T to that before each dot.
     inverse_dtype = dispatch.wy_bwd_dots(k.dtype)[1] or jnp.float32
-    w, u, *extra = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
-                             out_dtype=work_dtype, interpret=interpret,
-                             return_inverse=keep_inverse, inverse_dtype=inverse_dtype,
-                             normalize_keys=normalize_keys)
-    inverse = extra[:1] if keep_inverse else []
-    key_scale = extra[-1] if normalize_keys else None
+    if dispatch.wy_fwd_runs_kernel(k.dtype, interpret):
+        w, u, *extra = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
+                                 out_dtype=work_dtype, interpret=interpret,
+                                 return_inverse=keep_inverse, inverse_dtype=inverse_dtype,
+                                 normalize_keys=normalize_keys)
+        inverse = extra[:1] if keep_inverse else []
+        key_scale = extra[-1] if normalize_keys else None
+    else:   # jnp on the same sub-chunk grid; the keys' factors as the kernel forms them
+        inverse, key_scale, k_wy = [], None, k_p
+        if normalize_keys:
+            key_scale = l2norm_scale(jnp.sum(jnp.square(k_p.astype(jnp.float32)), axis=-1))
+            k_wy = k_p.astype(jnp.float32) * key_scale[..., None]
+        w, u = wy_xla(k_wy, v_p, beta_p, gamma, runs_p, chunk_size=sub, num_householder=1)
+        w, u = w.astype(work_dtype), u.astype(work_dtype)
     # The walk stores h at token-chunk boundaries and, for the backward, at every sub-chunk too
     # (written by the kernel rather than sliced out after).
     h, v_new, final_state, *h_sub = chunk_h_pallas(

@@ -213,6 +213,14 @@ def walk_bwd_dot_dtype(dtype):
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
+def walk_applies_inverse(dtype) -> bool:
+    """Whether the op's undifferentiated forward has the WY kernel write T alone and the state
+    walk apply it (v_new = T (beta (v - live 2^gamma k h)), w and u never written): for 16-bit
+    inputs, whose w and u T's application rounds to 16 bits anyway. float32 inputs keep the IEEE
+    w and u (the walk's dots are TF32)."""
+    return jnp.dtype(dtype).itemsize == 2
+
+
 def wy_bwd_runs_kernel(dtype, interpret: bool) -> bool:
     """Whether the WY stage's VJP runs its Pallas kernel (from the forward's inverses): for 16-bit
     inputs, and always in the interpreter. Compiled float32 inputs take ``wy_bwd_xla``: IEEE

@@ -365,6 +365,7 @@ def test_dispatch_rules():
     assert [dispatch.walk_bwd_dot_dtype(d) for d in (f32, bf16, f16)] == [f32, bf16, f32]
     assert [dispatch.wy_bwd_runs_kernel(d, False) for d in (f32, bf16, f16)] == [False, True, True]
     assert dispatch.wy_bwd_runs_kernel(f32, True)
+    assert [dispatch.walk_applies_inverse(d) for d in (f32, bf16, f16)] == [False, True, True]
     assert dispatch.wy_bwd_dots(f32) == (jax.lax.Precision.HIGHEST, None)
     assert dispatch.wy_bwd_dots(bf16) == (None, bf16)
     assert dispatch.wy_bwd_dots(f16) == (None, None)

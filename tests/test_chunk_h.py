@@ -22,7 +22,7 @@ from gdp_jax.ops.chunk_h.pallas_bwd import BlockSizes as BwdBlockSizes, default_
 from gdp_jax.ops.chunk_h.pallas_fwd import BlockSizes
 from gdp_jax.ops.cumsum import chunk_local_log2_cumsum
 from gdp_jax.ops.wy import wy_xla
-from cases import (Case, assert_all_close, assert_close, build, random_segment_ids,
+from cases import (Case, assert_all_close, assert_close, build, case_id, random_segment_ids,
                    seed_of, to64, tolerance)
 
 NAMES = ("dk", "dw", "du", "dg", "dinitial_state")
@@ -193,6 +193,44 @@ def test_walk_chunks_per_step(per_step):
     assert_close(got[3][:, :p.ref["h"].shape[1]], p.ref["h"], tolerance("float32"), "h")
     with pytest.raises(ValueError, match="chunks_per_step must divide subchunks = 4; got 3"):
         walk(BlockSizes(chunks_per_step=3))
+
+
+@pytest.mark.parametrize("case", [Case(100, 32, 16, 2, 16, dtype="bfloat16"),
+                                  Case(77, 16, 32, 3, 32, dtype="float16", initial_state=False),
+                                  Case(90, 64, 32, 1, 64, dtype="bfloat16", gated=False, heads=2)],
+                         ids=case_id)
+def test_walk_applies_inverse(case, monkeypatch):
+    """The op's forward stages with the WY kernel writing T alone and the walk applying it (v_new =
+    T (beta (v - live 2^gamma k h))) give the recurrence's h, v_new and final state, and those of
+    the w, u path to within one 16-bit rounding of what each rounds differently."""
+    from gdp_jax._src import dispatch
+    from gdp_jax.ops.gated_delta_product import states_pallas
+    p = build(case)
+    run = lambda: jax.jit(functools.partial(
+        states_pallas, chunk_size=case.chunk_size, num_householder=case.m, interpret=True))(
+        p.k, p.v, p.beta, p.g_raw, p.runs, p.initial_state)
+    monkeypatch.setattr(dispatch, "walk_applies_inverse", lambda dtype, key_dim: True)
+    h, v_new, final_state = run()
+    monkeypatch.setattr(dispatch, "walk_applies_inverse", lambda dtype, key_dim: False)
+    h_wu, v_new_wu, final_wu = run()
+    tol = tolerance(case.dtype)
+    assert_close(h, p.ref["h"], tol, "h")
+    assert_close(v_new, p.ref["v_new"], tol, "v_new")
+    assert_close(final_state, p.ref["final_state"], tol, "final_state")
+    assert_all_close(dict(h=h, v_new=v_new, final_state=final_state),
+                     dict(h=h_wu, v_new=v_new_wu, final_state=final_wu), tol)
+
+
+def test_walk_inverse_arguments_are_checked():
+    p = build(Case(40, 16, 16, 1, 16, dtype="bfloat16", segments=False))
+    k = p.k
+    t = jnp.zeros(k.shape[:3] + (16,), k.dtype)
+    with pytest.raises(ValueError, match="give w, or inverse and beta"):
+        chunk_h_pallas(k, None, p.v, None, None, None, chunk_size=16, num_householder=1,
+                       inverse=t, interpret=True)
+    with pytest.raises(ValueError, match="T's last axis = chunk_size 32"):
+        chunk_h_pallas(k, None, p.v, None, None, None, chunk_size=32, num_householder=1,
+                       inverse=t, beta=p.beta, interpret=True)
 
 
 def test_walk64_matches_recurrence():

@@ -221,6 +221,16 @@ def wy_fwd_runs_kernel(dtype, interpret: bool) -> bool:
     return jnp.dtype(dtype).itemsize == 2 or interpret
 
 
+def walk_applies_inverse(dtype, key_dim: int) -> bool:
+    """Whether the op's undifferentiated forward has the WY kernel write T alone and the state
+    walk apply it (v_new = T (beta (v - live 2^gamma s (k h))), w and u never written): for 16-bit
+    inputs, whose w and u round to 16 bits anyway, from padded K = 128 up, where the walk steps
+    one sub-chunk at a time. RESULTS.md, "The walk applies T": the op's forward 0.90-0.92x at
+    K = 128, 0.79x at K = 256, 1.16x at K = 64 (whole-chunk steps). float32 inputs keep the IEEE
+    w and u (the walk's dots are TF32)."""
+    return jnp.dtype(dtype).itemsize == 2 and tile_width(key_dim) >= 128
+
+
 def wy_bwd_runs_kernel(dtype, interpret: bool) -> bool:
     """Whether the WY stage's VJP runs its Pallas kernel (from the forward's inverses): for 16-bit
     inputs, and always in the interpreter. Compiled float32 inputs take ``wy_bwd_xla``: IEEE

@@ -298,7 +298,17 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     keep_inverse = every_sub_chunk and dispatch.wy_bwd_runs_kernel(k.dtype, interpret)
     # Kept in the VJP's operand dtype where it has one: it rounds T to that before each dot.
     inverse_dtype = dispatch.wy_bwd_dots(k.dtype)[1] or jnp.float32
-    if dispatch.wy_fwd_runs_kernel(k.dtype, interpret):
+    # The undifferentiated forward of 16-bit inputs from K = 128 up: the WY kernel writes T alone
+    # and the walk applies it (dispatch.walk_applies_inverse).
+    applies = not every_sub_chunk and dispatch.walk_applies_inverse(k.dtype, key_dim)
+    walk_inverse, inverse = {}, []
+    if applies:
+        t, *extra = wy_pallas(k_p, None, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=work_dtype,
+                              interpret=interpret, return_inverse=True, inverse_dtype=work_dtype,
+                              normalize_keys=normalize_keys, w_and_u=False)
+        w, u, walk_inverse = None, v_p, dict(inverse=t, beta=beta_p)
+        key_scale = extra[-1] if normalize_keys else None
+    elif dispatch.wy_fwd_runs_kernel(k.dtype, interpret):
         w, u, *extra = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
                                  out_dtype=work_dtype, interpret=interpret,
                                  return_inverse=keep_inverse, inverse_dtype=inverse_dtype,
@@ -306,7 +316,7 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
         inverse = extra[:1] if keep_inverse else []
         key_scale = extra[-1] if normalize_keys else None
     else:   # jnp on the same sub-chunk grid; the keys' factors as the kernel forms them
-        inverse, key_scale, k_wy = [], None, k_p
+        key_scale, k_wy = None, k_p
         if normalize_keys:
             key_scale = l2norm_scale(jnp.sum(jnp.square(k_p.astype(jnp.float32)), axis=-1))
             k_wy = k_p.astype(jnp.float32) * key_scale[..., None]
@@ -318,7 +328,7 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
         k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
         subchunks=chunk_size * m // sub, h_dtype=work_dtype, v_new_dtype=v.dtype,
         dot_dtype=work_dtype, interpret=interpret, every_chunk_too=every_sub_chunk,
-        key_scale=key_scale)
+        key_scale=key_scale, **walk_inverse)
     outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
                final_state[..., :key_dim, :value_dim])
     if every_sub_chunk:

@@ -82,9 +82,12 @@ def decay_and_run_operands(g, runs, pad_tokens: int):
     return (g, runs), specs
 
 
-def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref, h_ref, v_new_ref,
-                    final_ref, h_every_ref, *, num_householder: int, chunk_size: int, num_chunks: int,
-                    subchunks: int, chunks_per_step: int, dot_dtype):
+def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref, beta_ref, h_ref,
+                    v_new_ref, final_ref, h_every_ref, *, num_householder: int, chunk_size: int,
+                    num_chunks: int, subchunks: int, chunks_per_step: int, dot_dtype):
+    """With ``beta_ref`` (``chunk_h_pallas``'s ``inverse``) w_ref holds T and u_ref v: v_new is
+    T (beta (v - live 2^gamma s (k h))), live, gamma and the key factors s per row as the WY
+    kernel's w."""
     key_dim, block_v = h_ref.shape[-2], h_ref.shape[-1]
     has_g, has_segments = g_ref is not None, runs_ref is not None
     if h0_ref is not None:
@@ -130,14 +133,27 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
         update = jnp.zeros((key_dim, block_v), jnp.float32)
         state_operand = state.astype(dot_dtype)
         for m in range(num_householder):
-            w = w_ref[rows, m, :].astype(dot_dtype)                 # [BT, K]
-            u = u_ref[rows, m, :].astype(jnp.float32)               # [BT, BV]
-            v_new = u - plgpu.dot(w, state_operand)                 # [BT, BV] f32
+            if beta_ref is None:
+                w = w_ref[rows, m, :].astype(dot_dtype)             # [BT, K]
+                u = u_ref[rows, m, :].astype(jnp.float32)           # [BT, BV]
+                v_new = u - plgpu.dot(w, state_operand)             # [BT, BV] f32
+            else:   # the WY stage's w h and u, from T ([BT, BT]) and v: one dot more, w, u not read
+                beta = beta_ref[rows].astype(jnp.float32)
+                row_w = beta * (jnp.exp2(g) if has_g else 1.0)
+                if key_scales is not None:
+                    row_w = row_w * key_scales[m]
+                if has_segments:
+                    row_w = jnp.where(run == run_first, row_w, 0.0)
+                k = k_ref[rows, m, :].astype(dot_dtype)
+                kh = plgpu.dot(k, state_operand)
+                x = beta[:, None] * u_ref[rows, m, :].astype(jnp.float32) - row_w[:, None] * kh
+                v_new = plgpu.dot(w_ref[rows, m, :].astype(dot_dtype), x.astype(dot_dtype))
             v_new_ref[rows, m, :] = v_new.astype(v_new_ref.dtype)
             # The decay weights scale v_new's rows ([BT, BV]) rather than k's ([BT, K]): same
             # product, fewer multiplies, and k goes to the dot as loaded.
             v_decayed = (v_new * row_coeffs[m][:, None]).astype(dot_dtype)
-            k = k_ref[rows, m, :].astype(dot_dtype)
+            if beta_ref is None:
+                k = k_ref[rows, m, :].astype(dot_dtype)
             update += plgpu.dot(k, v_decayed, trans_a=True)         # [K, BV] f32
         return carry_in * state + update
 
@@ -164,7 +180,8 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
 def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder: int,
                    subchunks: int = 1, h_dtype=jnp.float32, v_new_dtype=jnp.float32,
                    dot_dtype=jnp.float32, every_chunk_too: bool = False,
-                   key_scale: Optional[jax.Array] = None, interpret: bool = False,
+                   key_scale: Optional[jax.Array] = None, inverse: Optional[jax.Array] = None,
+                   beta: Optional[jax.Array] = None, interpret: bool = False,
                    block_sizes: Optional[BlockSizes] = None):
     """(h [B, NT, H, K, V] in ``h_dtype``, v_new [B, T*M, H, V] in ``v_new_dtype``, final_state
     [B, H, K, V] float32); both dtypes default to float32.
@@ -185,10 +202,20 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     ``h_dtype``, as a fourth result (the full op's backward keeps it). ``key_scale`` [B, T*M, H]
     float32, or None: factors the keys are multiplied by as they enter the state (use_qk_l2norm's
     normalisation of raw keys; w is taken as given).
+
+    ``inverse`` (the WY kernel's T [B, P, H, chunk_size], ``w_and_u=False``) with ``beta``
+    [B, P, H]: the walk applies T itself, w is None and u is v [B, P, H, V]; v_new =
+    T (beta (v - live 2^g s (k h))) per chunk, as ``wy.pallas_fwd``'s u - w h, with one dot more
+    and w, u never written. Only on the sub-chunk grid (num_householder 1), g there sub-chunk-local.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = u.shape[-1]
     m = num_householder
+    if (inverse is None) != (beta is None) or (inverse is None) == (w is None):
+        raise ValueError("chunk_h_pallas: give w, or inverse and beta (not both)")
+    if inverse is not None and (m != 1 or inverse.shape[-1] != chunk_size):
+        raise ValueError(f"chunk_h_pallas: inverse needs num_householder 1 and T's last axis = "
+                         f"chunk_size {chunk_size}; got {m} and {inverse.shape}")
     tokens = positions // m
     num_chunks = -(-tokens // (chunk_size * subchunks)) * subchunks
     pad_t = num_chunks * chunk_size - tokens
@@ -211,12 +238,21 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
         # factors contiguous, so that a step's load is one 256-byte row, not 64 strided words
         key_scale = jnp.pad(key_scale.astype(f32), ((0, 0), (0, pad_t * m), (0, 0)))
         key_scale = jnp.swapaxes(key_scale, 1, 2).reshape(batch, heads, t_pad, m)
-    operands = (stream_layout(k, kp, pad_t, m), stream_layout(w, kp, pad_t, m),
-                stream_layout(u, vp, pad_t, m), g_p, runs_p, h0, key_scale)
-    in_specs = (key_stream, key_stream, value_stream, g_spec, runs_spec,
+    if inverse is None:
+        first = (stream_layout(w, kp, pad_t, m), key_stream)
+        beta_p = beta_spec = None
+    else:
+        first = (stream_layout(inverse, chunk_size, pad_t, m),
+                 pl.BlockSpec((None, t_pad, m, None, chunk_size), lambda vb, hd, b: (b, 0, 0, hd, 0)))
+        beta_p = jnp.pad(beta, ((0, 0), (0, pad_t), (0, 0)))
+        beta_spec = pl.BlockSpec((None, t_pad, None), lambda vb, hd, b: (b, 0, hd))
+    operands = (stream_layout(k, kp, pad_t, m), first[0],
+                stream_layout(u, vp, pad_t, m), g_p, runs_p, h0, key_scale, beta_p)
+    in_specs = (key_stream, first[1], value_stream, g_spec, runs_spec,
                 None if h0 is None else one_state,
                 None if key_scale is None else pl.BlockSpec((None, None, t_pad, m),
-                                                            lambda vb, hd, b: (b, hd, 0, 0)))
+                                                            lambda vb, hd, b: (b, hd, 0, 0)),
+                beta_spec)
     states_spec = lambda count: pl.BlockSpec((None, count, None, kp, block_v),
                                              lambda vb, hd, b: (b, 0, hd, 0, vb))
     stored = num_chunks // subchunks

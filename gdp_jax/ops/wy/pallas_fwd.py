@@ -217,6 +217,8 @@ def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inv
                 block = t[i, l] if l <= i else jnp.zeros((_BLOCK, _BLOCK), jnp.float32)
                 inverse_ref[rows_of(i), pl.ds(l * _BLOCK, _BLOCK)] = block.astype(inverse_ref.dtype)
 
+    if w_ref is None:             # T alone: the walk applies it (chunk_h.pallas_fwd, `inverse`)
+        return
     # Right-hand sides, block by block: beta v and beta live 2^gamma k.
     if has_segments:
         first_run = runs_ref[base]
@@ -247,7 +249,7 @@ def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inv
 
 def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: bool = False,
               return_inverse: bool = False, inverse_dtype=jnp.float32, normalize_keys: bool = False,
-              block_sizes: Optional[BlockSizes] = None):
+              w_and_u: bool = True, block_sizes: Optional[BlockSizes] = None):
     """(w [B, P, H, K], u [B, P, H, V]) in ``out_dtype``, per sub-chunk of ``sub_chunk`` positions;
     with ``return_inverse`` also T = (I + A)^{-1} [B, P, H, S] in ``inverse_dtype`` (row j:
     T[j, :] of its sub-chunk, zero above the diagonal), which the backward (``wy.pallas_bwd``)
@@ -261,9 +263,17 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     L2-normalised per position (``layout.l2norm``'s formula, the squares summed by the gram's
     diagonal), as if the caller had normalised it, and the factors (sum_d k_d^2 + eps)^(-1/2)
     come back last, [B, P, H] float32.
+
+    ``w_and_u=False`` (with ``return_inverse``): T alone, for a walk that applies it itself
+    (``chunk_h.pallas_fwd.chunk_h_pallas``'s ``inverse``); v is not read (None allowed) and the
+    results are (T,) and the factors where asked.
     """
     batch, positions, heads, key_dim = k.shape
-    value_dim = v.shape[-1]
+    if not w_and_u and not return_inverse:
+        raise ValueError("wy_pallas: w_and_u=False needs return_inverse=True (T is its only result)")
+    if not w_and_u:
+        v = None
+    value_dim = key_dim if v is None else v.shape[-1]
     sizes = block_sizes or BlockSizes()
     substituted_rows = sizes.substituted_rows or default_substituted_rows(k.dtype, key_dim, value_dim)
     if substituted_rows not in (2, 4, 8, 16):
@@ -282,16 +292,17 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     per_position = pl.BlockSpec((None, block, None), lambda hd, s, b: (b, s, hd))
     operands = (k, v, beta, None if gamma is None else gamma.astype(jnp.float32),
                 None if runs is None else runs.astype(jnp.int32))
-    in_specs = (rows(key_dim), rows(value_dim), per_position,
+    in_specs = (rows(key_dim), None if v is None else rows(value_dim), per_position,
                 None if gamma is None else per_position,
                 None if runs is None else pl.BlockSpec((None, block), lambda hd, s, b: (b, s)))
-    out_shape = (jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
-                 jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),
+    out_shape = (jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype) if w_and_u else None,
+                 jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype) if w_and_u else None,
                  jax.ShapeDtypeStruct((batch, positions, heads, sub_chunk), inverse_dtype)
                  if return_inverse else None,
                  jax.ShapeDtypeStruct((batch, positions, heads), jnp.float32)
                  if normalize_keys else None)
-    out_specs = (rows(key_dim), rows(value_dim), rows(sub_chunk) if return_inverse else None,
+    out_specs = (rows(key_dim) if w_and_u else None, rows(value_dim) if w_and_u else None,
+                 rows(sub_chunk) if return_inverse else None,
                  per_position if normalize_keys else None)
     kernel = functools.partial(_wy_kernel, sub_chunk=sub_chunk, substituted_rows=substituted_rows,
                                sub_chunks_per_program=n)
@@ -300,4 +311,5 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
         grid=(heads, positions // block, batch), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, num_warps=sizes.num_warps, num_stages=num_stages,
         interpret=interpret)
-    return (w, u) + ((inverse,) if return_inverse else ()) + ((key_scale,) if normalize_keys else ())
+    return (((w, u) if w_and_u else ()) + ((inverse,) if return_inverse else ())
+            + ((key_scale,) if normalize_keys else ()))

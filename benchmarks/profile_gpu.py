@@ -20,6 +20,8 @@ stream; residuals from ops.gated_delta_product.states_pallas, random cotangents)
   states_fwd / states_fwd_rule: stages 1-3 forward, plain and as the custom_vjp's forward rule
                  (which also keeps the state before every sub-chunk);
   wy_fwd, walk_fwd: the WY kernel and the state walk alone;
+  wy_fwd_t, walk_fwd_t: the same where the walk applies the WY kernel's T (the op's 16-bit
+                 forward from K = 128 up): the WY kernel writes T alone;
   walk_bwd:      ops.chunk_h.pallas_bwd.chunk_h_bwd_pallas (reverse walk + epilogue), and
   walk_kernel:   the reverse walk alone (chunk_h_bwd_walk);
   wy_bwd_pallas: the WY VJP kernel at the op's dots; wy_bwd_xla (ops.wy.xla.wy_bwd_xla) and
@@ -53,6 +55,8 @@ def stage_dot_flops(name: str, shp: dict, chunk: int) -> float:
       WY:      K K^T, then A (beta k) and A (beta v) on every sub-chunk: 2 P S (2K + V), and the
                unit-triangular inverse, 2 P S^2 / 3;
       walk:    w h and k^T v_new per sub-chunk: 4 P K V;
+      WY writing T alone: K K^T and the inverse, 2 P S K + 2 P S^2 / 3; the walk applying it:
+               k h, T x and k^T v_new, 4 P K V + 2 P S V;
       chunk_o: q k^T and A v_new over a token chunk's C * M positions, q h: 2 T (C M (K + V) + K V).
     A backward does twice its forward's dots (every product's VJP is two products of its size):
     the reverse walk alone (walk_kernel) as many as the forward walk, the walk's whole VJP (with
@@ -63,8 +67,10 @@ def stage_dot_flops(name: str, shp: dict, chunk: int) -> float:
     wy = 2 * p * s * (2 * k + v) + 2 * p * s * s / 3
     walk = 4 * p * k * v
     out = 2 * t * (chunk * m * (k + v) + k * v)
+    wy_t, walk_t = 2 * p * s * k + 2 * p * s * s / 3, walk + 2 * p * s * v
     flops = dict(op_fwd=wy + walk + out, op_fwdbwd=3 * (wy + walk + out), states_fwd=wy + walk,
-                 states_fwd_rule=wy + walk, wy_fwd=wy, walk_fwd=walk, walk_kernel=walk,
+                 states_fwd_rule=wy + walk, wy_fwd=wy, walk_fwd=walk, wy_fwd_t=wy_t,
+                 walk_fwd_t=walk_t, walk_kernel=walk,
                  walk_bwd=2 * walk, wy_bwd_pallas=2 * wy, wy_bwd_xla=2 * wy, wy_autodiff=2 * wy,
                  chunk_o_fwd=out, chunk_o_bwd=2 * out)
     return float(b * h * flops[name])
@@ -191,6 +197,7 @@ def stage_functions(args, shp):
         k, v, beta, g, runs, None, every_sub_chunk=True, **stage), states_sets)
     wanted = lambda *names: not args.only or bool(args.only & set(names))
     for name, key, problems in (("wy_fwd", "wy", full), ("walk_fwd", "walk", full),
+                                ("wy_fwd_t", "wy_t", full), ("walk_fwd_t", "walk_t", full),
                                 ("walk_bwd", "walk_bwd", full), ("wy_bwd_pallas", "wy_bwd", full),
                                 ("chunk_o_fwd", "chunk_o_fwd", chunk_o),
                                 ("chunk_o_bwd", "chunk_o_bwd", chunk_o)):

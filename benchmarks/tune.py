@@ -288,6 +288,57 @@ class Walk(Wy):
         return out
 
 
+class WyT(Wy):
+    """The WY kernel as the op's 16-bit forward calls it where the walk applies T
+    (``dispatch.walk_applies_inverse``): T alone, v not read."""
+
+    def inputs(self, problems):
+        return [(k, beta, gamma, runs) for k, _, beta, gamma, runs in super().inputs(problems)]
+
+    def call(self, sizes, options, shape, p, interpret):
+        from gdp_jax.ops.wy.pallas_fwd import wy_pallas
+        grid = self.grid[0]
+        return lambda k, beta, gamma, runs: wy_pallas(
+            k, None, beta, gamma, runs, sub_chunk=grid["sub"], out_dtype=grid["work_dtype"],
+            interpret=interpret, return_inverse=True, inverse_dtype=grid["work_dtype"],
+            w_and_u=False, block_sizes=sizes)[0]
+
+
+class WalkT(Walk):
+    """The state walk applying the WY kernel's T itself (v_new = T (beta (v - live 2^gamma k h))),
+    as the op's 16-bit forward calls it from padded K = 128 up."""
+    options = dict(dot_dtype=None)
+
+    def inputs(self, problems):
+        import jax
+        from gdp_jax.ops.wy.pallas_fwd import wy_pallas
+        wy_sets = Wy.inputs(self, problems)
+        grid = self.grid[0]
+        wy = jax.jit(lambda k, beta, gamma, runs: wy_pallas(
+            k, None, beta, gamma, runs, sub_chunk=grid["sub"], out_dtype=grid["work_dtype"],
+            interpret=self.interpret, return_inverse=True, inverse_dtype=grid["work_dtype"],
+            w_and_u=False)[0])
+        return [(k, wy(k, beta, gamma, runs), v, beta, gamma, runs)
+                for k, v, beta, gamma, runs in wy_sets]
+
+    def base(self, default, options, shape, p):
+        return default
+
+    def call(self, sizes, options, shape, p, interpret):
+        import jax.numpy as jnp
+        from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
+        grid = self.grid[0]
+        dot = jnp.dtype(options.get("dot_dtype") or grid["work_dtype"])
+        return lambda k, t, v, beta, gamma, runs: chunk_h_pallas(
+            k, None, v, gamma, runs, None, chunk_size=grid["sub"], num_householder=1,
+            subchunks=grid["subchunks"], h_dtype=grid["work_dtype"], v_new_dtype=p.v.dtype,
+            dot_dtype=dot, inverse=t, beta=beta, interpret=interpret, block_sizes=sizes)
+
+    def sweep(self, shape, default):
+        return [dict(num_stages=s, chunks_per_step=c) for s in (1, 2) for c in (1, None)
+                if (s, c) != (default.num_stages, default.chunks_per_step)]
+
+
 class WalkBwd(Wy):
     options = dict(dot_dtype=None)      # None: the op's (bfloat16 for bfloat16 inputs, else float32)
 
@@ -395,7 +446,7 @@ class WyBwd(Wy):
 
 
 STAGES = dict(chunk_o_fwd=ChunkOFwd, chunk_o_fwd_mosaic=ChunkOFwdMosaic, chunk_o_bwd=ChunkOBwd,
-              wy=Wy, walk=Walk, walk_bwd=WalkBwd, wy_bwd=WyBwd)
+              wy=Wy, walk=Walk, wy_t=WyT, walk_t=WalkT, walk_bwd=WalkBwd, wy_bwd=WyBwd)
 
 
 def make_sizes(stage, default, overrides, shape, p):

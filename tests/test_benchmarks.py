@@ -326,6 +326,7 @@ def test_bench_full_op(tmp_path, capsys, baseline_dir):
 # A tiny config per stage, with another tiling than the default's where the stage has one.
 TUNE_CONFIGS = {"chunk_o_fwd": "k16:block_k=16;odd:block_v=48", "chunk_o_bwd": "bk16:block_k=16",
                 "wy": "w4:num_warps=4", "walk": "bv16:block_v=16", "walk_bwd": "bv16:block_v=16",
+                "wy_t": "w4:num_warps=4", "walk_t": "bv16:block_v=16",
                 "wy_bwd": "c16:block_cols=16"}
 
 
@@ -426,9 +427,9 @@ def test_tune_ab_rounds_list_and_budget(capsys):
 def test_profile_stages(tmp_path, capsys):
     out = tmp_path / "stages.json"
     result = script("profile_gpu").main(["--mode", "stages", "--shape", "B=1,T=16,H=1,K=16,M=2", "--chunk", "16",
-                                     "--only", "states_fwd_rule,wy_autodiff", "--sets", "1",
+                                     "--only", "states_fwd_rule,wy_autodiff,walk_fwd_t", "--sets", "1",
                                      "--reps", "1", "--target-ms", "1", "--out", str(out), *COPY])
-    assert set(result["rows"]) == {"states_fwd_rule", "wy_autodiff"}
+    assert set(result["rows"]) == {"states_fwd_rule", "wy_autodiff", "walk_fwd_t"}
     assert all(r["ms"] > 0 for r in result["rows"].values()), result["rows"]
     assert json.loads(out.read_text())["rows"]["wy_autodiff"]["ms"] > 0
     assert result["bandwidth"]["GBps"] > 0 and result["matmul_rate"]["TFLOPs"] > 0
@@ -457,6 +458,9 @@ def test_stage_floors_by_hand():
     assert flops("op_fwd") == pytest.approx(wy + walk + out)
     assert flops("op_fwdbwd") == pytest.approx(3 * (wy + walk + out))
     assert profile.stage_dot_flops("walk_fwd", dict(shp, V=None), 16) == 6 * 4 * 32 * 16 * 16
+    # the WY kernel writing T alone (K K^T, the inverse) and the walk applying it (T x one more)
+    assert flops("wy_fwd_t") == pytest.approx(2 * 32 * 16 * 16 + 2 * 32 * 16 * 16 / 3)
+    assert flops("walk_fwd_t") == walk + 2 * 32 * 16 * 8
     import jax.numpy as jnp
     x = jnp.zeros((10, 4), jnp.float32)
     assert profile.io_bytes(lambda a, _: (a.astype(jnp.bfloat16), a[0]), (x, None)) == 160 + 80 + 16

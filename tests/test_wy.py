@@ -21,8 +21,8 @@ from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.cumsum import expanded_log2_decays
 from gdp_jax.ops.wy import unit_lower_inverse, wy_bwd_pallas, wy_bwd_xla, wy_pallas, wy_xla
 from gdp_jax.ops.wy.pallas_bwd import BlockSizes
-from gdp_jax.ops.wy.pallas_fwd import (BlockSizes as WyBlockSizes, default_sub_chunks_per_program,
-                                       default_substituted_rows)
+from gdp_jax.ops.wy.pallas_fwd import (BlockSizes as WyBlockSizes, default_num_warps,
+                                       default_sub_chunks_per_program, default_substituted_rows)
 from cases import assert_all_close, assert_close, rel_err, seed_of, to64, tolerance
 
 M = 2                        # Householder steps per token: gates sit at every M-th position
@@ -230,6 +230,13 @@ def test_wy_default_substituted_rows_table():
     with pytest.raises(ValueError, match="substituted_rows must be 2, 4, 8 or 16; got 3"):
         wy_pallas(*primals, sub_chunk=16, out_dtype=jnp.float32, interpret=True,
                   block_sizes=WyBlockSizes(substituted_rows=3))
+
+
+def test_wy_default_num_warps_table():
+    """RESULTS.md, "WY kernel": 2 warps where the kernel writes w and u, 1 where it writes T alone
+    (BlockSizes leaves it to this rule unless set)."""
+    assert default_num_warps(True) == 2 and default_num_warps(False) == 1
+    assert WyBlockSizes().num_warps is None
 
 
 @pytest.mark.parametrize("sub_chunk,gated,segments", [(16, False, True), (64, True, True)])

@@ -57,15 +57,26 @@ _BLOCK = 16          # rows per diagonal block (Triton's smallest dot tile)
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Launch parameters of the WY kernel. The program's serial part, the substitution steps,
-    favours small programs: 2 warps (RESULTS.md, "WY kernel"). ``substituted_rows``: the diagonal
+    favours small programs (None: ``default_num_warps``). ``substituted_rows``: the diagonal
     sub-blocks inverted by substitution, 16, 8, 4 or 2 rows (None: ``default_substituted_rows``).
     ``sub_chunks_per_program``: a program loops over that many consecutive sub-chunks, and at
     ``num_stages`` 2 Triton loads the next one's rows while it solves this one (None for either:
     ``default_sub_chunks_per_program``, with 2 stages where it loops and 1 where it does not)."""
-    num_warps: int = 2
+    num_warps: Optional[int] = None
     num_stages: Optional[int] = None
     substituted_rows: Optional[int] = None
     sub_chunks_per_program: Optional[int] = None
+
+
+def default_num_warps(w_and_u: bool) -> int:
+    """Warps a program, by what the kernel writes (RESULTS.md, "WY kernel"):
+
+    | writes | warps | why |
+    |---|---|---|
+    | w and u | 2 | 4 and 8 warps 1.5x and 3.1x the time; the substitution is serial |
+    | T alone | 1 | one sub-chunk a program 0.58x the time of 2 warps alone; with the default loop the op's forward 0.88-0.96x |
+    """
+    return 2 if w_and_u else 1
 
 
 def default_substituted_rows(dtype, key_dim: int, value_dim: int) -> int:
@@ -275,6 +286,7 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
         v = None
     value_dim = key_dim if v is None else v.shape[-1]
     sizes = block_sizes or BlockSizes()
+    num_warps = sizes.num_warps or default_num_warps(w_and_u)
     substituted_rows = sizes.substituted_rows or default_substituted_rows(k.dtype, key_dim, value_dim)
     if substituted_rows not in (2, 4, 8, 16):
         raise ValueError(f"wy_pallas: substituted_rows must be 2, 4, 8 or 16; got {substituted_rows}")
@@ -309,7 +321,7 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     w, u, inverse, key_scale = triton_call(
         kernel, *operands, name="gdp_wy_fwd",
         grid=(heads, positions // block, batch), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, num_warps=sizes.num_warps, num_stages=num_stages,
+        out_shape=out_shape, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret)
     return (((w, u) if w_and_u else ()) + ((inverse,) if return_inverse else ())
             + ((key_scale,) if normalize_keys else ()))

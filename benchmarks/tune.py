@@ -303,6 +303,11 @@ class WyT(Wy):
             interpret=interpret, return_inverse=True, inverse_dtype=grid["work_dtype"],
             w_and_u=False, block_sizes=sizes)[0]
 
+    def sweep(self, shape, default):
+        # one warp (the default) at each sub-chunk loop and stage count; two warps for reference
+        return ([dict(num_stages=s, sub_chunks_per_program=n) for s in (1, 2, 3) for n in (1, 2, 4)]
+                + [dict(num_warps=2)])
+
 
 class WalkT(Walk):
     """The state walk applying the WY kernel's T itself (v_new = T (beta (v - live 2^gamma k h))),
@@ -335,8 +340,12 @@ class WalkT(Walk):
             dot_dtype=dot, inverse=t, beta=beta, interpret=interpret, block_sizes=sizes)
 
     def sweep(self, shape, default):
-        return [dict(num_stages=s, chunks_per_step=c) for s in (1, 2) for c in (1, None)
-                if (s, c) != (default.num_stages, default.chunks_per_step)]
+        # the walk applying T has one dot more on its serial chain: more, narrower programs and
+        # other warp counts are worth a look, beside the walk's stages and step
+        out = [dict(num_stages=s, chunks_per_step=c) for s in (1, 2) for c in (1, None)
+               if (s, c) != (default.num_stages, default.chunks_per_step)]
+        return out + [dict(block_v=bv, num_warps=w) for bv in (32, 64) for w in (2, 4, 8)
+                      if (bv, w) != (64, 4)]
 
 
 class WalkBwd(Wy):

@@ -355,6 +355,27 @@ def test_jit_vmap_over_differently_packed_rows(implementation):
     assert_close(final_state, p.ref["final_state"], tolerance("float32"), "final_state")
 
 
+def test_vmap_where_the_walk_applies_inverse(monkeypatch):
+    """The 16-bit forward's route where the walk applies the WY kernel's T (forced here at a small
+    K) under jit(vmap) over differently packed rows: the kernels with their extra operands (T,
+    beta) take the batch as a grid axis."""
+    monkeypatch.setattr(dispatch, "walk_applies_inverse", lambda dtype, key_dim: True)
+    case = Case(77, 32, 16, 2, 16, dtype="bfloat16")
+    p = build(case)
+    add = lambda x: x[None]
+
+    def one_row(q, k, v, g, beta, initial_state, segment_ids):
+        o, s = gdp_jax.chunk_gated_delta_product(
+            add(q), add(k), add(v), add(g), add(beta), initial_state=add(initial_state),
+            segment_ids=add(segment_ids), output_final_state=True, chunk_size=16,
+            implementation="interpret")
+        return o[0], s[0]
+
+    o, final_state = jax.jit(jax.vmap(one_row))(*p.full_args(), p.initial_state, p.segment_ids)
+    assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
+    assert_close(final_state, p.ref["final_state"], tolerance(case.dtype), "final_state")
+
+
 def test_pallas_takes_the_jnp_stages_beyond_the_kernels_widths():
     """K above 256 (padded to 512) is wider than the compiled kernels are built for:
     implementation="pallas" runs every stage in jnp, forward and backward, so it works on this

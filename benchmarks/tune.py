@@ -344,7 +344,7 @@ class WalkT(Walk):
         # other warp counts are worth a look, beside the walk's stages and step
         out = [dict(num_stages=s, chunks_per_step=c) for s in (1, 2) for c in (1, None)
                if (s, c) != (default.num_stages, default.chunks_per_step)]
-        return out + [dict(block_v=bv, num_warps=w) for bv in (32, 64) for w in (2, 4, 8)
+        return out + [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64) for w in (2, 4, 8)
                       if (bv, w) != (64, 4)]
 
 

@@ -279,6 +279,11 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     h [B, NT, H, K, V] comes in the inputs' dtype when it is 16-bit (float32 otherwise), v_new
     [B, T*M, H, V] in v's dtype, final_state [B, H, K, V] float32.
 
+    Routes (``_src.dispatch``): the undifferentiated forward of 16-bit inputs from K = 128 up has
+    the WY kernel write T alone and the walk apply it (``walk_applies_inverse``); compiled
+    float32 inputs run the WY stage in jnp (``wy_fwd_runs_kernel``); else the WY kernel writes w
+    and u for the walk.
+
     ``every_sub_chunk`` (the custom_vjp's forward) also returns what the backward needs:
     (h, v_new, final_state, (w, inverse, h_sub, v_new_p)), with w [B, P_pad, H, Kp], the WY
     stage's inverses [B, P_pad, H, sub] (float32, or the WY VJP's 16-bit operand dtype; None

@@ -391,3 +391,24 @@ def test_wy_bwd_16_bit_inverse():
     vjp = lambda t: jax.jit(functools.partial(wy_bwd_pallas, sub_chunk=sub_chunk, interpret=True,
                                               operand_dtype=jnp.bfloat16))(*primals, t, *cotangents)
     chex.assert_trees_all_equal(vjp(t16), vjp(t32))
+
+
+@pytest.mark.parametrize("dtype,normalize_keys", [("bfloat16", False), ("float16", True),
+                                                  ("float32", False)])
+def test_wy_pallas_inverse_alone(dtype, normalize_keys):
+    """``w_and_u=False``: the kernel reads no v and returns T (and the keys' factors where asked)
+    equal to what it returns beside w and u; without return_inverse it has nothing to return."""
+    primals, _ = make_inputs(sub_chunk=32, num_sub_chunks=4, key_dim=64, value_dim=32, gated=True,
+                             segments=True, dtype=dtype)
+    k, v, beta, gamma, runs = primals
+    call = lambda v, **kw: jax.jit(functools.partial(
+        wy_pallas, sub_chunk=32, out_dtype=jnp.float32, interpret=True, return_inverse=True,
+        inverse_dtype=jnp.float32, normalize_keys=normalize_keys, **kw))(k, v, beta, gamma, runs)
+    full = call(v)
+    alone = call(None, w_and_u=False)
+    assert len(alone) == 1 + normalize_keys and len(full) == 3 + normalize_keys
+    for x, y in zip(alone, full[2:]):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="w_and_u=False needs return_inverse=True"):
+        wy_pallas(k, None, beta, gamma, runs, sub_chunk=32, out_dtype=jnp.float32, interpret=True,
+                  w_and_u=False)

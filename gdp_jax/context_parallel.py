@@ -166,12 +166,12 @@ def combine_blocks(s0_all, a_all, starts, initial_state):
 
 def finish(o_zero, o_carry, s_in):
     """o = o_zero + o_carry @ s_in per row and head (o_zero [B, T_b, H, V], o_carry [B, T_b, H, K],
-    s_in [B, H, K, V] float32), in o_zero's dtype. Float32 IEEE dots for float32 outputs; 16-bit
-    operands with float32 accumulation for 16-bit ones (as the Pallas kernels' own dots)."""
+    s_in [B, H, K, V] float32), in o_zero's dtype. Float32 IEEE dots for float32 outputs; for
+    16-bit ones float32 operands at the default precision (TF32 on a GPU; XLA's CPU dots take no
+    16-bit operands with a float32 result)."""
     spec = "bthj,bhjv->bthv"
     if jnp.dtype(o_carry.dtype).itemsize == 2:
-        term = jnp.einsum(spec, o_carry, s_in.astype(o_carry.dtype),
-                          preferred_element_type=jnp.float32)
+        term = jnp.einsum(spec, o_carry.astype(jnp.float32), s_in)
     else:
         term = jnp.einsum(spec, o_carry.astype(jnp.float32), s_in, precision=HIGHEST)
     return (o_zero.astype(jnp.float32) + term).astype(o_zero.dtype)

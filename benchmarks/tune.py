@@ -16,6 +16,8 @@ stage's BlockSizes fields, default and sweep):
   chunk_o_bwd  ops.chunk_o.pallas_bwd.chunk_o_bwd_pallas (q, k, v, h, g, runs, do)
   wy           ops.wy.pallas_fwd.wy_pallas on the full op's sub-chunk grid
   walk         ops.chunk_h.pallas_fwd.chunk_h_pallas on it (w, u from the default WY kernel)
+  wy_t         the WY kernel writing T alone (w_and_u=False), as the op's 16-bit forward calls it
+  walk_t       the walk applying that T itself (inverse=, beta=)
   walk_bwd     ops.chunk_h.pallas_bwd.chunk_h_bwd_pallas (reverse walk + epilogue; the forward's
                residuals from ops.gated_delta_product.states_pallas, random cotangents)
   wy_bwd       ops.wy.pallas_bwd.wy_bwd_pallas (the forward's inverses, random cotangents)
@@ -23,7 +25,7 @@ stage's BlockSizes fields, default and sweep):
 A config is ``name:field=value,...`` (``name:`` optional), fields of that stage's BlockSizes,
 applied as dataclasses.replace(default_block_sizes(...), **fields); values are ints, True/False,
 None, floats or strings. A few stages also take kernel options that are not launch sizes (walk:
-dot_dtype, every_chunk_too; walk_bwd: dot_dtype; wy_bwd: operand_dtype, precision), given the
+dot_dtype, every_chunk_too; walk_t, walk_bwd: dot_dtype; wy_bwd: operand_dtype, precision), given the
 same way; e.g. ``--stage walk --configs "one:every_chunk_too=1,num_stages=1;two:every_chunk_too=1,num_stages=2"``
 times the walk of the backward's forward with one and two stages (its fields override that
 walk's own default, ``every_chunk_too=True`` in the launch table). The default always

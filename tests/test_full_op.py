@@ -336,23 +336,28 @@ def test_gradients_against_recurrence(name, implementation):
 # ---------------------------------------------------------------------------------------------
 # Transformations and dispatch
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_jit_vmap_over_differently_packed_rows(implementation):
-    """vmap over rows packed differently: "interpret" vmaps the Pallas kernels (an extra grid axis)
-    and the states' custom_vjp, "xla" the jnp stages."""
-    p = build(BASE)
+def _check_jit_vmap_over_rows(p, implementation):
+    """jit(vmap) of the op over p's rows, one row per call (each packed differently): o and the
+    final state against the recurrence at the inputs' tolerance."""
     add = lambda x: x[None]
 
     def one_row(q, k, v, g, beta, initial_state, segment_ids):
         o, s = gdp_jax.chunk_gated_delta_product(
             add(q), add(k), add(v), add(g), add(beta), initial_state=add(initial_state),
-            segment_ids=add(segment_ids), output_final_state=True, chunk_size=16,
+            segment_ids=add(segment_ids), output_final_state=True, chunk_size=p.case.chunk_size,
             implementation=implementation)
         return o[0], s[0]
 
     o, final_state = jax.jit(jax.vmap(one_row))(*p.full_args(), p.initial_state, p.segment_ids)
-    assert_close(o, p.ref["o"], tolerance("float32"), "o")
-    assert_close(final_state, p.ref["final_state"], tolerance("float32"), "final_state")
+    assert_close(o, p.ref["o"], tolerance(p.case.dtype), "o")
+    assert_close(final_state, p.ref["final_state"], tolerance(p.case.dtype), "final_state")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_jit_vmap_over_differently_packed_rows(implementation):
+    """vmap over rows packed differently: "interpret" vmaps the Pallas kernels (an extra grid axis)
+    and the states' custom_vjp, "xla" the jnp stages."""
+    _check_jit_vmap_over_rows(build(BASE), implementation)
 
 
 def test_vmap_where_the_walk_applies_inverse(monkeypatch):
@@ -360,20 +365,7 @@ def test_vmap_where_the_walk_applies_inverse(monkeypatch):
     K) under jit(vmap) over differently packed rows: the kernels with their extra operands (T,
     beta) take the batch as a grid axis."""
     monkeypatch.setattr(dispatch, "walk_applies_inverse", lambda dtype, key_dim: True)
-    case = Case(77, 32, 16, 2, 16, dtype="bfloat16")
-    p = build(case)
-    add = lambda x: x[None]
-
-    def one_row(q, k, v, g, beta, initial_state, segment_ids):
-        o, s = gdp_jax.chunk_gated_delta_product(
-            add(q), add(k), add(v), add(g), add(beta), initial_state=add(initial_state),
-            segment_ids=add(segment_ids), output_final_state=True, chunk_size=16,
-            implementation="interpret")
-        return o[0], s[0]
-
-    o, final_state = jax.jit(jax.vmap(one_row))(*p.full_args(), p.initial_state, p.segment_ids)
-    assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
-    assert_close(final_state, p.ref["final_state"], tolerance(case.dtype), "final_state")
+    _check_jit_vmap_over_rows(build(Case(77, 32, 16, 2, 16, dtype="bfloat16")), "interpret")
 
 
 def test_pallas_takes_the_jnp_stages_beyond_the_kernels_widths():

@@ -233,6 +233,22 @@ def test_walk_inverse_arguments_are_checked():
                        inverse=t, beta=p.beta, interpret=True)
 
 
+def test_reverse_walk_inverse_arguments_are_checked():
+    from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_walk
+    p = build(Case(40, 16, 16, 1, 16, dtype="bfloat16", segments=False))
+    k = p.k
+    t = jnp.zeros(k.shape[:3] + (16,), k.dtype)
+    dh = jnp.zeros((1, 3, 2, 16, 16), jnp.float32)
+    kw = dict(chunk_size=16, num_householder=1, with_initial_state=False, interpret=True)
+    with pytest.raises(ValueError, match="give w, or inverse and beta"):
+        chunk_h_bwd_walk(k, k, None, None, dh, p.v, dh[:, 0], inverse=t, beta=p.beta, **kw)
+    with pytest.raises(ValueError, match="give w, or inverse and beta"):
+        chunk_h_bwd_walk(k, None, None, None, dh, p.v, dh[:, 0], inverse=t, **kw)
+    with pytest.raises(ValueError, match="T's last axis = chunk_size 32"):
+        chunk_h_bwd_walk(k, None, None, None, dh, p.v, dh[:, 0], inverse=t, beta=p.beta,
+                         **dict(kw, chunk_size=32))
+
+
 def test_walk64_matches_recurrence():
     """The backward's float64 reference walk reproduces the recurrence (w, u float32 from wy_xla)."""
     case = Case(77, 16, 32, 2, 16)

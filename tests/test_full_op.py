@@ -333,6 +333,45 @@ def test_gradients_against_recurrence(name, implementation):
         use_qk_l2norm=l2norm, chunk_size=case.chunk_size, implementation=implementation), l2norm)
 
 
+@pytest.mark.parametrize("case", [
+    Case(37, 16, 16, 2, 16, dtype="bfloat16"),
+    Case(45, 32, 16, 3, 16, dtype="bfloat16", gated=False, initial_state=False),
+    Case(40, 16, 32, 1, 32, dtype="bfloat16", segments=False)], ids=lambda c: c.id)
+def test_backward_walks_from_inverse(case, monkeypatch):
+    """dispatch.backward_walks_from_inverse's route, forced at these small K: the differentiable
+    forward's WY kernel writes T alone, the forward walk applies it and the reverse walk forms
+    w^T dvt from it. o and every input's gradient against the recurrence, and the gradients of
+    k, v and beta within bf16 rounding of the w, u route's."""
+    from gdp_jax.ops.chunk_h import pallas_bwd
+    seen, original = [], pallas_bwd.chunk_h_bwd_walk
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("inverse") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_bwd, "chunk_h_bwd_walk", recording)
+    p = build(case)
+    op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
+                           segment_ids=p.segment_ids, chunk_size=case.chunk_size,
+                           implementation="interpret")
+
+    def grads():
+        loss = lambda k, v, beta: jnp.sum(jnp.square(op(
+            p.q, k, v, p.g_raw, beta, initial_state=p.initial_state)[0].astype(jnp.float32)))
+        return dict(zip(("k", "v", "beta"), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+            p.k, p.v, p.beta)))
+
+    monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype, key_dim: True)
+    _check_gradients(p, op, False)
+    from_inverse = grads()
+    assert seen and all(seen)
+    monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype, key_dim: False)
+    seen.clear()
+    with_w = grads()
+    assert seen and not any(seen)
+    assert_all_close(from_inverse, with_w, tolerance(case.dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # Transformations and dispatch
 
@@ -406,6 +445,8 @@ def test_dispatch_rules():
     assert dispatch.wy_fwd_runs_kernel(f32, True)
     assert [dispatch.walk_applies_inverse(d, 128) for d in (f32, bf16, f16)] == [False, True, True]
     assert [dispatch.walk_applies_inverse(bf16, k) for k in (64, 65, 100, 256)] == [False, True, True, True]
+    assert [dispatch.backward_walks_from_inverse(d, 128) for d in (f32, bf16, f16)] == [False, True, False]
+    assert [dispatch.backward_walks_from_inverse(bf16, k) for k in (64, 65, 256)] == [False, True, True]
     assert dispatch.wy_bwd_dots(f32) == (jax.lax.Precision.HIGHEST, None)
     assert dispatch.wy_bwd_dots(bf16) == (None, bf16)
     assert dispatch.wy_bwd_dots(f16) == (None, None)

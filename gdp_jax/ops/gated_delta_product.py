@@ -285,7 +285,8 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     and u for the walk.
 
     ``every_sub_chunk`` (the custom_vjp's forward) also returns what the backward needs:
-    (h, v_new, final_state, (w, inverse, h_sub, v_new_p)), with w [B, P_pad, H, Kp], the WY
+    (h, v_new, final_state, (w, inverse, h_sub, v_new_p)), with w [B, P_pad, H, Kp] (None where
+    the backward works from the inverses, ``dispatch.backward_walks_from_inverse``), the WY
     stage's inverses [B, P_pad, H, sub] (float32, or the WY VJP's 16-bit operand dtype; None
     where the backward does not use them) and, on the padded sub-chunk grid, the state before
     every sub-chunk h_sub [B, NS, H, Kp, Vp] and v_new_p [B, P_pad, H, Vp].
@@ -303,15 +304,18 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     keep_inverse = every_sub_chunk and dispatch.wy_bwd_runs_kernel(k.dtype, interpret)
     # Kept in the VJP's operand dtype where it has one: it rounds T to that before each dot.
     inverse_dtype = dispatch.wy_bwd_dots(k.dtype)[1] or jnp.float32
-    # The undifferentiated forward of 16-bit inputs from K = 128 up: the WY kernel writes T alone
-    # and the walk applies it (dispatch.walk_applies_inverse).
-    applies = not every_sub_chunk and dispatch.walk_applies_inverse(k.dtype, key_dim)
+    # 16-bit inputs from K = 128 up: the WY kernel writes T alone and the walk applies it
+    # (dispatch.walk_applies_inverse); in the differentiable forward for bfloat16, whose VJP keeps
+    # the same T, the reverse walk then works from T too (dispatch.backward_walks_from_inverse).
+    applies = (dispatch.backward_walks_from_inverse(k.dtype, key_dim) and keep_inverse
+               if every_sub_chunk else dispatch.walk_applies_inverse(k.dtype, key_dim))
     walk_inverse, inverse = {}, []
     if applies:
         t, *extra = wy_pallas(k_p, None, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=work_dtype,
                               interpret=interpret, return_inverse=True, inverse_dtype=work_dtype,
                               normalize_keys=normalize_keys, w_and_u=False)
         w, u, walk_inverse = None, v_p, dict(inverse=t, beta=beta_p)
+        inverse = [t] if every_sub_chunk else []
         key_scale = extra[-1] if normalize_keys else None
     elif dispatch.wy_fwd_runs_kernel(k.dtype, interpret):
         w, u, *extra = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
@@ -384,11 +388,14 @@ def _states_bwd(config, residuals, cotangents):
     # Cotangents stay in their dtype (16-bit h and v_new have 16-bit ones): the walk kernel
     # upcasts its loads, where a float32 copy here would cost a pass over HBM each.
     pad_positions = functools.partial(_pad_positions, padded_positions=padded_positions)
+    # w None: the forward kept T alone (dispatch.backward_walks_from_inverse), which the reverse
+    # walk works from.
+    from_inverse = {} if w is not None else dict(inverse=inverse, beta=beta_p)
     dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
         k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh, kp, vp), pad_positions(dv_new, width=vp),
         pad_state(dfinal, kp, vp), chunk_size=sub, num_householder=1,
         with_initial_state=initial_state is not None, subchunks=chunk_size * m // sub,
-        dot_dtype=dispatch.walk_bwd_dot_dtype(k.dtype), interpret=interpret)
+        dot_dtype=dispatch.walk_bwd_dot_dtype(k.dtype), interpret=interpret, **from_inverse)
     if inverse is not None:
         precision, operand_dtype = dispatch.wy_bwd_dots(k.dtype)
         wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,

@@ -146,9 +146,11 @@ def _decay_coefficients(g, segment, is_last):
     return coeff, carry_in
 
 
-def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_ref,
+def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_ref, beta_ref,
                         du_ref, dstate_ref, dinit_ref, *, num_householder: int, chunk_size: int,
                         num_chunks: int, block_k: int, subchunks: int, dot_dtype):
+    """With ``beta_ref`` (``chunk_h_bwd_walk``'s ``inverse``) w_ref holds the WY stage's T and
+    w^T dvt is formed as k^T (r (T^T dvt)), r = beta live 2^gamma per row (w = T diag(r) k)."""
     has_g, has_segments = g_ref is not None, runs_ref is not None
     key_dim = dstate_ref.shape[-2]
     key_blocks = [pl.ds(start, block_k) for start in range(0, key_dim, block_k)]
@@ -170,6 +172,12 @@ def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_re
         coeff, carry_in = _decay_coefficients(
             g_ref[rows] if has_g else None,                         # [BT] chunk-local log2 decays
             (run, run_first, run_last) if has_segments else None, is_last)
+        if beta_ref is not None:            # w's row weights r: beta live 2^gamma
+            row_w = beta_ref[rows].astype(jnp.float32)
+            if has_g:
+                row_w = row_w * jnp.exp2(g_ref[rows])
+            if has_segments:
+                row_w = jnp.where(run == run_first, row_w, 0.0)
         acc = tuple(carry_in * x for x in ds)
         if dh_index is not None:                                     # h[c] is an output
             acc = tuple(dh_ref[dh_index, kb, :].astype(jnp.float32) + a
@@ -178,14 +186,18 @@ def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_re
         def one_copy(m, acc):
             # kd dS with kd = coeff k: the row weights scale the [BT, BV] product, so k goes to
             # the dot as loaded.
-            k_ds = sum(plgpu.dot(k_ref[rows, m, kb].astype(dot_dtype), x)
-                       for kb, x in zip(key_blocks, ds_operand))     # [BT, BV] f32
+            keys = [k_ref[rows, m, kb].astype(dot_dtype) for kb in key_blocks]
+            k_ds = sum(plgpu.dot(key, x) for key, x in zip(keys, ds_operand))   # [BT, BV] f32
             dvt = dv_ref[rows, m, :].astype(jnp.float32) + coeff[:, None] * k_ds
             du_ref[rows, m, :] = dvt.astype(du_ref.dtype)
             dvt = dvt.astype(dot_dtype)
-            return tuple(a - plgpu.dot(w_ref[rows, m, kb].astype(dot_dtype), dvt,
-                                       trans_a=True)                 # [BK, BV]
-                         for kb, a in zip(key_blocks, acc))
+            if beta_ref is None:
+                return tuple(a - plgpu.dot(w_ref[rows, m, kb].astype(dot_dtype), dvt,
+                                           trans_a=True)             # [BK, BV]
+                             for kb, a in zip(key_blocks, acc))
+            y = plgpu.dot(w_ref[rows, m, :].astype(dot_dtype), dvt, trans_a=True)  # T^T dvt
+            y = (row_w[:, None] * y).astype(dot_dtype)
+            return tuple(a - plgpu.dot(key, y, trans_a=True) for key, a in zip(keys, acc))
 
         if num_householder == 1:
             acc = one_copy(0, acc)
@@ -209,6 +221,7 @@ def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_re
 
 def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_householder: int,
                      with_initial_state: bool, subchunks: int = 1, dot_dtype=jnp.float32,
+                     inverse: Optional[jax.Array] = None, beta: Optional[jax.Array] = None,
                      interpret: bool = False, block_sizes: Optional[BlockSizes] = None):
     """The reverse walk alone: (dvt [B, T_pad*M, H, Vp], dS [B, NT, H, Kp, Vp], dinitial
     [B, H, Kp, Vp] or None), padded (T to whole chunks, K and V to tile widths). dvt and dS come
@@ -218,10 +231,20 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     ``subchunks`` > 1 mirrors ``chunk_h_pallas``'s: dh [B, NT / subchunks, H, K, V] is the
     cotangent of the states stored before every ``subchunks``-th chunk (the others were not
     outputs). The stream must then already be padded to whole groups of ``subchunks`` chunks with
-    non-decaying g (edge padding here would decay the final state's cotangent)."""
+    non-decaying g (edge padding here would decay the final state's cotangent).
+
+    ``inverse`` (the WY stage's T [B, P, H, chunk_size]) with ``beta`` [B, P, H], w None: w is
+    never read; w^T dvt is formed from T and k (w = T diag(beta live 2^g) k, as
+    ``chunk_h_pallas``'s ``inverse``), one [chunk_size, chunk_size] x [chunk_size, BV] dot more a
+    step. Only on the sub-chunk grid (num_householder 1, g sub-chunk-local)."""
     batch, positions, heads, key_dim = k.shape
     value_dim = dv_new.shape[-1]
     m = num_householder
+    if (inverse is None) != (beta is None) or (inverse is None) == (w is None):
+        raise ValueError("chunk_h_bwd_walk: give w, or inverse and beta (not both)")
+    if inverse is not None and (m != 1 or inverse.shape[-1] != chunk_size):
+        raise ValueError(f"chunk_h_bwd_walk: inverse needs num_householder 1 and T's last axis = "
+                         f"chunk_size {chunk_size}; got {m} and {inverse.shape}")
     tokens = positions // m
     if subchunks > 1 and tokens % (chunk_size * subchunks):
         raise ValueError(f"chunk_h_bwd_walk: with subchunks={subchunks}, T = {tokens} must be a "
@@ -247,10 +270,19 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
                                  lambda vb, hd, b: (b, 0, hd, 0, vb))
     (g_p, runs_p), (g_spec, runs_spec) = decay_and_run_operands(g, runs, pad_t)
     # States stay in their dtype: the kernel upcasts its loads.
-    operands = (stream_layout(k, kp, pad_t, m), stream_layout(w, kp, pad_t, m),
+    if inverse is None:
+        first, first_spec, beta_p, beta_spec = stream_layout(w, kp, pad_t, m), key_stream, None, None
+    else:
+        first = stream_layout(inverse, chunk_size, pad_t, m)
+        first_spec = pl.BlockSpec((None, t_pad, m, None, chunk_size),
+                                  lambda vb, hd, b: (b, 0, 0, hd, 0))
+        beta_p = jnp.pad(beta, ((0, 0), (0, pad_t), (0, 0)))
+        beta_spec = pl.BlockSpec((None, t_pad, None), lambda vb, hd, b: (b, 0, hd))
+    operands = (stream_layout(k, kp, pad_t, m), first,
                 stream_layout(dv_new, vp, pad_t, m), pad_state(dh, kp, vp),
-                pad_state(dfinal, kp, vp), g_p, runs_p)
-    in_specs = (key_stream, key_stream, value_stream, stored_states, one_state, g_spec, runs_spec)
+                pad_state(dfinal, kp, vp), g_p, runs_p, beta_p)
+    in_specs = (key_stream, first_spec, value_stream, stored_states, one_state, g_spec, runs_spec,
+                beta_spec)
     dot_dtype = jnp.dtype(dot_dtype)
     out_shape = (jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), dot_dtype),
                  jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), dot_dtype),
@@ -317,7 +349,8 @@ def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_r
 
 def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_size: int,
                        num_householder: int, with_initial_state: bool, subchunks: int = 1,
-                       dot_dtype=jnp.float32, interpret: bool = False,
+                       dot_dtype=jnp.float32, inverse: Optional[jax.Array] = None,
+                       beta: Optional[jax.Array] = None, interpret: bool = False,
                        block_sizes: Optional[BlockSizes] = None):
     """(dk, dw, du, dg, dinitial_state): the VJP of ``chunk_h.xla.chunk_h_xla``. dg and
     dinitial_state are float32; dk, dw and du come in ``dot_dtype``.
@@ -334,6 +367,8 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     of the states stored before every ``subchunks``-th chunk, while h (the residual) holds all NT
     chunks' states; T must then be a multiple of chunk_size * subchunks. The result is then the
     VJP of ``chunk_h_pallas(subchunks=...)``.
+    ``inverse`` and ``beta`` in place of w (None): the reverse walk forms w^T dvt from the WY
+    stage's T (``chunk_h_bwd_walk``); dw is the same, since the epilogue never reads w.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v_new.shape[-1]
@@ -349,7 +384,7 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     dvt, dstate, dinit = chunk_h_bwd_walk(
         k, w, g, runs, dh, dv_new, dfinal, chunk_size=chunk_size, num_householder=m,
         with_initial_state=with_initial_state, subchunks=subchunks, dot_dtype=dot_dtype,
-        interpret=interpret, block_sizes=sizes)
+        inverse=inverse, beta=beta, interpret=interpret, block_sizes=sizes)
     # The epilogue, chunk-parallel: dw = -dvt h^T and dkd = v_new dS^T sum over the whole V (see
     # the module docstring), on [BT, 64] tiles, reading h[c] and dS_c once per copy.
     block_k, block_v = min(kp, 64), min(vp, 64)

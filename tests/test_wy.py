@@ -412,3 +412,27 @@ def test_wy_pallas_inverse_alone(dtype, normalize_keys):
     with pytest.raises(ValueError, match="w_and_u=False needs return_inverse=True"):
         wy_pallas(k, None, beta, gamma, runs, sub_chunk=32, out_dtype=jnp.float32, interpret=True,
                   w_and_u=False)
+
+
+@pytest.mark.parametrize("sub_chunk,gated,segments", [(16, True, True), (64, False, True),
+                                                      (32, True, False)])
+def test_wy_bwd_rhs_cotangents(sub_chunk, gated, segments):
+    """``rhs_cotangents``: given dRw = T^T dw and dRu = T^T du (per sub-chunk, T the forward's
+    inverse) in place of dw and du, the VJP is the float64 reference's at dw, du."""
+    primals, (dw, du) = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=3 if sub_chunk < 64 else 2,
+                                    key_dim=32, value_dim=64, gated=gated, segments=segments)
+    t = _forward(primals, sub_chunk, out_dtype=jnp.float32, return_inverse=True)[2]
+    batch, positions, heads, _ = t.shape
+    blocks = t.reshape(batch, positions // sub_chunk, sub_chunk, heads, sub_chunk)
+
+    def pull_back(x):        # T^T x per sub-chunk, in float64
+        x = np.asarray(x, np.float64).reshape(batch, positions // sub_chunk, sub_chunk, heads, -1)
+        y = np.einsum("bsjhi,bsjhd->bsihd", np.asarray(blocks, np.float64), x)
+        return jnp.asarray(y.reshape(batch, positions, heads, -1), jnp.float32)
+
+    got = jax.jit(functools.partial(wy_bwd_pallas, sub_chunk=sub_chunk, interpret=True,
+                                    rhs_cotangents=True))(*primals, t, pull_back(dw), pull_back(du))
+    want = reference_vjp(primals, (dw, du), sub_chunk)
+    assert_all_close(dict(zip(NAMES, got)), want, tolerance("float32"))
+    plain = _bwd_pallas(primals, (dw, du), sub_chunk)
+    assert rel_err(got[0], plain[0]) < 1e-4          # the same VJP by the other route

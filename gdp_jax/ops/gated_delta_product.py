@@ -389,7 +389,7 @@ def _states_bwd(config, residuals, cotangents):
     # upcasts its loads, where a float32 copy here would cost a pass over HBM each.
     pad_positions = functools.partial(_pad_positions, padded_positions=padded_positions)
     # w None: the forward kept T alone (dispatch.backward_walks_from_inverse), which the reverse
-    # walk works from.
+    # walk works from; dw and du then come as T^T dw and T^T du, which the WY VJP takes as such.
     from_inverse = {} if w is not None else dict(inverse=inverse, beta=beta_p)
     dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
         k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh, kp, vp), pad_positions(dv_new, width=vp),
@@ -401,7 +401,8 @@ def _states_bwd(config, residuals, cotangents):
         wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
                                  precision=precision, operand_dtype=operand_dtype,
                                  dk_accumulate=(dk_walk, pad_positions(dk_through, width=kp)),
-                                 out_dtype=k.dtype, interpret=interpret)
+                                 out_dtype=k.dtype, rhs_cotangents=bool(from_inverse),
+                                 interpret=interpret)
         dk_p = wy_grads[0]
     else:
         wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)

@@ -149,8 +149,9 @@ def _decay_coefficients(g, segment, is_last):
 def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_ref, beta_ref,
                         du_ref, dstate_ref, dinit_ref, *, num_householder: int, chunk_size: int,
                         num_chunks: int, block_k: int, subchunks: int, dot_dtype):
-    """With ``beta_ref`` (``chunk_h_bwd_walk``'s ``inverse``) w_ref holds the WY stage's T and
-    w^T dvt is formed as k^T (r (T^T dvt)), r = beta live 2^gamma per row (w = T diag(r) k)."""
+    """With ``beta_ref`` (``chunk_h_bwd_walk``'s ``inverse``) w_ref holds the WY stage's T,
+    w^T dvt is formed as k^T (r (T^T dvt)), r = beta live 2^gamma per row (w = T diag(r) k), and
+    du_ref receives T^T dvt rather than dvt."""
     has_g, has_segments = g_ref is not None, runs_ref is not None
     key_dim = dstate_ref.shape[-2]
     key_blocks = [pl.ds(start, block_k) for start in range(0, key_dim, block_k)]
@@ -189,13 +190,15 @@ def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_re
             keys = [k_ref[rows, m, kb].astype(dot_dtype) for kb in key_blocks]
             k_ds = sum(plgpu.dot(key, x) for key, x in zip(keys, ds_operand))   # [BT, BV] f32
             dvt = dv_ref[rows, m, :].astype(jnp.float32) + coeff[:, None] * k_ds
-            du_ref[rows, m, :] = dvt.astype(du_ref.dtype)
-            dvt = dvt.astype(dot_dtype)
             if beta_ref is None:
+                du_ref[rows, m, :] = dvt.astype(du_ref.dtype)
+                dvt = dvt.astype(dot_dtype)
                 return tuple(a - plgpu.dot(w_ref[rows, m, kb].astype(dot_dtype), dvt,
                                            trans_a=True)             # [BK, BV]
                              for kb, a in zip(key_blocks, acc))
-            y = plgpu.dot(w_ref[rows, m, :].astype(dot_dtype), dvt, trans_a=True)  # T^T dvt
+            # T^T dvt, the cotangent of u's right-hand side (u = T Ru): stored in dvt's place
+            y = plgpu.dot(w_ref[rows, m, :].astype(dot_dtype), dvt.astype(dot_dtype), trans_a=True)
+            du_ref[rows, m, :] = y.astype(du_ref.dtype)
             y = (row_w[:, None] * y).astype(dot_dtype)
             return tuple(a - plgpu.dot(key, y, trans_a=True) for key, a in zip(keys, acc))
 
@@ -236,7 +239,8 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     ``inverse`` (the WY stage's T [B, P, H, chunk_size]) with ``beta`` [B, P, H], w None: w is
     never read; w^T dvt is formed from T and k (w = T diag(beta live 2^g) k, as
     ``chunk_h_pallas``'s ``inverse``), one [chunk_size, chunk_size] x [chunk_size, BV] dot more a
-    step. Only on the sub-chunk grid (num_householder 1, g sub-chunk-local)."""
+    step, and the first result is T^T dvt (the cotangent of u's right-hand side Ru, u = T Ru)
+    instead of dvt. Only on the sub-chunk grid (num_householder 1, g sub-chunk-local)."""
     batch, positions, heads, key_dim = k.shape
     value_dim = dv_new.shape[-1]
     m = num_householder
@@ -368,7 +372,9 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     chunks' states; T must then be a multiple of chunk_size * subchunks. The result is then the
     VJP of ``chunk_h_pallas(subchunks=...)``.
     ``inverse`` and ``beta`` in place of w (None): the reverse walk forms w^T dvt from the WY
-    stage's T (``chunk_h_bwd_walk``); dw is the same, since the epilogue never reads w.
+    stage's T (``chunk_h_bwd_walk``), and dw, du come pulled back through T, T^T dw and T^T du:
+    the cotangents of w's and u's right-hand sides (w = T Rw, u = T Ru), which the WY VJP then
+    takes as they are (``wy_bwd_pallas``'s ``rhs_cotangents``).
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v_new.shape[-1]

@@ -47,6 +47,9 @@ every step is a whole-tile dot on tensor cores. Per program (one sub-chunk):
   4. key columns again: dRw = T^T dw, P1 = F K, P2 = F^T (beta K), dk, sums k·dRw, k·P1, k·P2;
      then dbeta and dgamma.
 
+Given dRw and dRu instead of dw and du (``rhs_cotangents``), steps 1-2 form T^T M = dRw Rw^T +
+dRu Ru^T directly and step 3 needs one dot: dA = -mask ∘ ((T^T M) T^T).
+
 Every dot takes float32 operands at ``precision`` (None: TF32 tensor cores; ``TF32X3``: three TF32
 passes, float32-level products, run as HIGHEST by the interpreter; HIGHEST: IEEE float32, FMA loops
 that spill when compiled), or, with ``operand_dtype``, operands rounded to that 16-bit dtype with
@@ -78,7 +81,7 @@ class BlockSizes:
 
 def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_ref, du_ref,
                    dk_in_refs, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *, sub_chunk: int,
-                   block_cols: int, precision, operand_dtype):
+                   block_cols: int, precision, operand_dtype, rhs_cotangents: bool):
     f32 = jnp.float32
     has_g, has_segments = gamma_ref is not None, runs_ref is not None
     if operand_dtype is None:
@@ -101,11 +104,12 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
     scale_w = beta * live_decay                                       # Rw_j = scale_w_j k_j
     t_inv = inverse_ref[...].astype(f32)                              # T [S, S], lower
 
-    # 1-2. M = du Ru^T + dw Rw^T; on the way, dRu = T^T du gives dv and v·dRu.
+    # 1-2. M = du Ru^T + dw Rw^T; on the way, dRu = T^T du gives dv and v·dRu. With
+    # rhs_cotangents du, dw are dRu, dRw already and M is T^T M.
     def value_block(cols, carry):
         m, v_dot_dru = carry
         values, cot = v_ref[:, cols].astype(f32), du_ref[:, cols].astype(f32)
-        d_rhs = dot(t_inv, cot, trans_a=True)                         # dRu = T^T du
+        d_rhs = cot if rhs_cotangents else dot(t_inv, cot, trans_a=True)   # dRu = T^T du
         dv_ref[:, cols] = (beta[:, None] * d_rhs).astype(dv_ref.dtype)
         m = m + dot(cot, values * beta[:, None], trans_b=True)
         return m, v_dot_dru + jnp.sum(values * d_rhs, axis=1)
@@ -129,13 +133,14 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
     if has_g:  # mask the exponent first: above the diagonal it would be positive
         gamma = gamma_ref[...]
         decay = jnp.where(mask, jnp.exp2(jnp.where(mask, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
-    f = -dot(t_inv, dot(m, t_inv, trans_b=True), trans_a=True) * decay
+    m_t = dot(m, t_inv, trans_b=True)
+    f = -(m_t if rhs_cotangents else dot(t_inv, m_t, trans_a=True)) * decay
 
     # 4. Key columns: dRw = T^T dw, P1 = F K, P2 = F^T (beta K); dk = scale_w dRw + beta P1 + P2.
     def key_block(cols, sums):
         k_dot_drw, k_dot_p1, k_dot_p2 = sums
         keys, cot = k_ref[:, cols].astype(f32), dw_ref[:, cols].astype(f32)
-        d_rhs = dot(t_inv, cot, trans_a=True)
+        d_rhs = cot if rhs_cotangents else dot(t_inv, cot, trans_a=True)   # dRw = T^T dw
         p1 = dot(f, keys)
         p2 = dot(f, keys * beta[:, None], trans_a=True)
         dk = scale_w[:, None] * d_rhs + beta[:, None] * p1 + p2
@@ -153,7 +158,7 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
 
 def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, precision=HIGHEST,
                   operand_dtype=None, dk_accumulate: Sequence[jax.Array] = (),
-                  out_dtype=jnp.float32, interpret: bool = False,
+                  out_dtype=jnp.float32, rhs_cotangents: bool = False, interpret: bool = False,
                   block_sizes: Optional[BlockSizes] = None):
     """(dk [B, P, H, K], dv [B, P, H, V], dbeta [B, P, H], dgamma [B, P, H] or None): the VJP of
     wy_pallas's (w, u) in (k, v, beta, gamma), given cotangents dw, du. dk and dv come in
@@ -168,6 +173,10 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
     ``precision`` / ``operand_dtype``: the dots, see the module docstring. ``dk_accumulate``:
     [B, P, H, K] arrays (any float dtype) added to dk in float32 before it is rounded to
     ``out_dtype``, so that the op's other shares of dk cost no separate pass over HBM.
+    ``rhs_cotangents``: dw and du are already T^T dw and T^T du, the cotangents of the right-hand
+    sides Rw and Ru (the reverse walk that works from T makes them): dA = -mask ∘ ((dRw Rw^T +
+    dRu Ru^T) T^T), and five of the fourteen S x S x 64 dots a program at K = V = 128 (T^T du and
+    T^T dw over two column blocks each, the outer T^T) are not needed.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
@@ -208,7 +217,8 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
         precision = HIGHEST
     kernel = functools.partial(
         _wy_bwd_kernel, sub_chunk=sub_chunk, block_cols=sizes.block_cols, precision=precision,
-        operand_dtype=None if operand_dtype is None else jnp.dtype(operand_dtype))
+        operand_dtype=None if operand_dtype is None else jnp.dtype(operand_dtype),
+        rhs_cotangents=rhs_cotangents)
     return triton_call(kernel, *operands, name="gdp_wy_bwd", grid=(heads, positions // sub_chunk, batch),
                        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                        num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)

@@ -280,9 +280,10 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     [B, T*M, H, V] in v's dtype, final_state [B, H, K, V] float32.
 
     Routes (``_src.dispatch``): the undifferentiated forward of 16-bit inputs from K = 128 up has
-    the WY kernel write T alone and the walk apply it (``walk_applies_inverse``); compiled
-    float32 inputs run the WY stage in jnp (``wy_fwd_runs_kernel``); else the WY kernel writes w
-    and u for the walk.
+    the WY kernel write T alone and the walk apply it (``walk_applies_inverse``), and so does
+    the differentiable forward of bfloat16 inputs, whose backward works from T
+    (``backward_walks_from_inverse``); compiled float32 inputs run the WY stage in jnp
+    (``wy_fwd_runs_kernel``); else the WY kernel writes w and u for the walk.
 
     ``every_sub_chunk`` (the custom_vjp's forward) also returns what the backward needs:
     (h, v_new, final_state, (w, inverse, h_sub, v_new_p)), with w [B, P_pad, H, Kp] (None where

@@ -232,7 +232,6 @@ def walk_applies_inverse(dtype, key_dim: int) -> bool:
     return jnp.dtype(dtype).itemsize == 2 and tile_width(key_dim) >= 128
 
 
-
 def backward_walks_from_inverse(dtype, key_dim: int) -> bool:
     """Whether the op's differentiable forward has the WY kernel write T alone (kept for the WY
     VJP anyway) and both state walks work from it: the forward walk applies T, the reverse walk
@@ -240,6 +239,7 @@ def backward_walks_from_inverse(dtype, key_dim: int) -> bool:
     VJP keeps T in bfloat16, the walks' dot dtype (float16 keeps it in float32 for TF32 dots),
     from padded K = 128 up, as ``walk_applies_inverse``."""
     return jnp.dtype(dtype) == jnp.bfloat16 and tile_width(key_dim) >= 128
+
 
 def wy_bwd_runs_kernel(dtype, interpret: bool) -> bool:
     """Whether the WY stage's VJP runs its Pallas kernel (from the forward's inverses): for 16-bit

@@ -23,8 +23,10 @@ stream; residuals from ops.gated_delta_product.states_pallas, random cotangents)
   wy_fwd_t, walk_fwd_t: the same where the walk applies the WY kernel's T (the op's 16-bit
                  forward from K = 128 up): the WY kernel writes T alone;
   walk_bwd:      ops.chunk_h.pallas_bwd.chunk_h_bwd_pallas (reverse walk + epilogue), and
-  walk_kernel:   the reverse walk alone (chunk_h_bwd_walk);
-  wy_bwd_pallas: the WY VJP kernel at the op's dots; wy_bwd_xla (ops.wy.xla.wy_bwd_xla) and
+  walk_kernel:   the reverse walk alone (chunk_h_bwd_walk), both from w or from T as the op's
+                 backward runs them (tune.backward_from_inverse);
+  wy_bwd_pallas: the WY VJP kernel at the op's dots and cotangents (rhs_cotangents where the
+                 backward works from T); wy_bwd_xla (ops.wy.xla.wy_bwd_xla) and
   wy_autodiff:   jax.vjp of ops.wy.xla.wy_xla, the jnp alternatives;
   chunk_o_fwd, chunk_o_bwd: the output stage's kernels.
 Each row's floor (common.roofline_ms) is the larger of the bytes it must move (its operands read
@@ -217,8 +219,10 @@ def stage_functions(args, shp):
             walk = dict(chunk_size=grid["sub"], num_householder=1, with_initial_state=False,
                         subchunks=grid["subchunks"], dot_dtype=grid["walk_bwd_dot_dtype"],
                         interpret=interpret)
-            fns["walk_kernel"] = (lambda k, w, gamma, runs, h_sub, v_new, dh, dv_new, dfinal:
-                                  chunk_h_bwd_walk(k, w, gamma, runs, dh, dv_new, dfinal, **walk), sets)
+            fns["walk_kernel"] = (
+                lambda k, w, gamma, runs, h_sub, v_new, dh, dv_new, dfinal, beta, st=st: chunk_h_bwd_walk(
+                    k=k, g=gamma, runs=runs, dh=dh, dv_new=dv_new, dfinal=dfinal,
+                    **st.walk_operands(w, beta), **walk), sets)
         if key == "wy_bwd":
             sub, f32 = st.grid[0]["sub"], jnp.float32
             fns["wy_bwd_xla"] = (lambda k, v, beta, gamma, runs, inverse, dw, du: wy_bwd_xla(

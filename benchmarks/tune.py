@@ -25,8 +25,8 @@ stage's BlockSizes fields, default and sweep):
 A config is ``name:field=value,...`` (``name:`` optional), fields of that stage's BlockSizes,
 applied as dataclasses.replace(default_block_sizes(...), **fields); values are ints, True/False,
 None, floats or strings. A few stages also take kernel options that are not launch sizes (walk:
-dot_dtype, every_chunk_too; walk_t, walk_bwd: dot_dtype; wy_bwd: operand_dtype, precision), given the
-same way; e.g. ``--stage walk --configs "one:every_chunk_too=1,num_stages=1;two:every_chunk_too=1,num_stages=2"``
+dot_dtype, every_chunk_too; walk_t: the same; walk_bwd: dot_dtype; wy_bwd: operand_dtype, precision,
+rhs_cotangents), given the same way; e.g. ``--stage walk --configs "one:every_chunk_too=1,num_stages=1;two:every_chunk_too=1,num_stages=2"``
 times the walk of the backward's forward with one and two stages (its fields override that
 walk's own default, ``every_chunk_too=True`` in the launch table). The default always
 runs first. Each config: jit, run on input set 0 and compare every output with the default's
@@ -313,8 +313,9 @@ class WyT(Wy):
 
 class WalkT(Walk):
     """The state walk applying the WY kernel's T itself (v_new = T (beta (v - live 2^gamma k h))),
-    as the op's 16-bit forward calls it from padded K = 128 up."""
-    options = dict(dot_dtype=None)
+    as the op's 16-bit forward calls it from padded K = 128 up; with ``every_chunk_too`` as
+    bfloat16's differentiable forward calls it (h at every sub-chunk too, for the backward)."""
+    options = dict(dot_dtype=None, every_chunk_too=False)
 
     def inputs(self, problems):
         import jax
@@ -328,9 +329,6 @@ class WalkT(Walk):
         return [(k, wy(k, beta, gamma, runs), v, beta, gamma, runs)
                 for k, v, beta, gamma, runs in wy_sets]
 
-    def base(self, default, options, shape, p):
-        return default
-
     def call(self, sizes, options, shape, p, interpret):
         import jax.numpy as jnp
         from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
@@ -339,7 +337,8 @@ class WalkT(Walk):
         return lambda k, t, v, beta, gamma, runs: chunk_h_pallas(
             k, None, v, gamma, runs, None, chunk_size=grid["sub"], num_householder=1,
             subchunks=grid["subchunks"], h_dtype=grid["work_dtype"], v_new_dtype=p.v.dtype,
-            dot_dtype=dot, inverse=t, beta=beta, interpret=interpret, block_sizes=sizes)
+            dot_dtype=dot, inverse=t, beta=beta, every_chunk_too=bool(options.get("every_chunk_too")),
+            interpret=interpret, block_sizes=sizes)
 
     def sweep(self, shape, default):
         # the walk applying T has one dot more on its serial chain: more, narrower programs and
@@ -350,7 +349,22 @@ class WalkT(Walk):
                       if (bv, w) != (64, 4)]
 
 
+def backward_from_inverse(p, interpret: bool) -> bool:
+    """Whether the op's backward on Problem p works from the WY stage's T (its differentiable
+    forward keeps no w: ``states_pallas``'s residual w is None), read off the forward's output
+    structure (jax.eval_shape: nothing runs)."""
+    import jax
+    from gdp_jax.ops.gated_delta_product import states_pallas
+    out = jax.eval_shape(lambda k, v, beta, g, runs: states_pallas(
+        k, v, beta, g, runs, None, chunk_size=p.chunk_size, num_householder=p.shape["M"],
+        interpret=interpret, every_sub_chunk=True), p.k, p.v, p.beta, p.g, p.runs)
+    return out[3][0] is None
+
+
 class WalkBwd(Wy):
+    """The walk's VJP (reverse walk and epilogue) as the op's backward calls it: from w, or from
+    the WY stage's T and beta where the op's backward works from T (``backward_from_inverse``;
+    the second operand is then T and the last beta)."""
     options = dict(dot_dtype=None)      # None: the op's (bfloat16 for bfloat16 inputs, else float32)
 
     def inputs(self, problems):
@@ -374,10 +388,16 @@ class WalkBwd(Wy):
 
         out = []
         for i, (grid, p) in enumerate(zip(self.grid, problems)):
-            _, _, _, (w, _, h_sub, v_new_p) = fwd(p.k, p.v, p.beta, p.g, p.runs)
+            _, _, _, (w, inverse, h_sub, v_new_p) = fwd(p.k, p.v, p.beta, p.g, p.runs)
+            self.from_inverse = w is None
             dh, dv_new, dfinal = cotangents(jax.random.PRNGKey(77 + i), h_sub, v_new_p)
-            out.append((grid["k_p"], w, grid["gamma"], grid["runs_p"], h_sub, v_new_p, dh, dv_new, dfinal))
+            out.append((grid["k_p"], inverse if w is None else w, grid["gamma"], grid["runs_p"],
+                        h_sub, v_new_p, dh, dv_new, dfinal, grid["beta_p"]))
         return out
+
+    def walk_operands(self, w, beta) -> dict:
+        """chunk_h_bwd_*'s w and, where the op's backward works from T, inverse and beta."""
+        return dict(w=None, inverse=w, beta=beta) if self.from_inverse else dict(w=w)
 
     def _dot(self, options):
         import jax.numpy as jnp
@@ -393,10 +413,11 @@ class WalkBwd(Wy):
         from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas
         grid = self.grid[0]
         dot = self._dot(options)
-        return lambda k, w, gamma, runs, h_sub, v_new, dh, dv_new, dfinal: chunk_h_bwd_pallas(
-            k, w, gamma, runs, h_sub, v_new, dh, dv_new, dfinal, chunk_size=grid["sub"],
-            num_householder=1, with_initial_state=False, subchunks=grid["subchunks"],
-            dot_dtype=dot, interpret=interpret, block_sizes=sizes)
+        return lambda k, w, gamma, runs, h_sub, v_new, dh, dv_new, dfinal, beta: chunk_h_bwd_pallas(
+            k=k, g=gamma, runs=runs, h=h_sub, v_new=v_new, dh=dh, dv_new=dv_new, dfinal=dfinal,
+            chunk_size=grid["sub"], num_householder=1, with_initial_state=False,
+            subchunks=grid["subchunks"], dot_dtype=dot, interpret=interpret, block_sizes=sizes,
+            **self.walk_operands(w, beta))
 
     def sweep(self, shape, default):
         out = [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64) for w in (4, 8)]
@@ -406,9 +427,13 @@ class WalkBwd(Wy):
 
 
 class WyBwd(Wy):
-    options = dict(operand_dtype=None, precision=None)   # None: the op's
+    """The WY VJP kernel as the op's backward calls it; ``rhs_cotangents`` None: the op's (True
+    where its backward works from T, ``backward_from_inverse``). Random cotangents either way, so
+    a config that flips ``rhs_cotangents`` computes another VJP: its check fails, its time stands."""
+    options = dict(operand_dtype=None, precision=None, rhs_cotangents=None)   # None: the op's
 
     def inputs(self, problems):
+        self.op_rhs_cotangents = backward_from_inverse(problems[0], self.interpret)
         import jax
         from gdp_jax.ops.wy.pallas_fwd import wy_pallas
         wy_sets = super().inputs(problems)
@@ -445,9 +470,12 @@ class WyBwd(Wy):
                          "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}[str(options["precision"]).lower()]
         if options.get("operand_dtype") is not None:
             operand = None if options["operand_dtype"] == "float32" else jnp.dtype(options["operand_dtype"])
+        rhs = options.get("rhs_cotangents")
+        rhs = self.op_rhs_cotangents if rhs is None else bool(rhs)
         return lambda k, v, beta, gamma, runs, inverse, dw, du: wy_bwd_pallas(
             k, v, beta, gamma, runs, inverse, dw, du, sub_chunk=grid["sub"], precision=precision,
-            operand_dtype=operand, out_dtype=k.dtype, interpret=interpret, block_sizes=sizes)
+            operand_dtype=operand, out_dtype=k.dtype, rhs_cotangents=rhs, interpret=interpret,
+            block_sizes=sizes)
 
     def sweep(self, shape, default):
         out = [dict(num_warps=w, block_cols=c, num_stages=s)

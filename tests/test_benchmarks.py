@@ -404,6 +404,42 @@ def test_tune_walk_defaults_of_forward_and_backward_walks(tmp_path):
     assert all(r["ok"] for r in rows.values()), rows
 
 
+def test_tune_backward_stages_where_the_op_works_from_T(tmp_path):
+    """bf16 at K = 128: the op's backward works from T, and so do the walk_bwd and wy_bwd stages
+    (T as the walk's operand, the WY VJP on right-hand-side cotangents); walk_t also runs as the
+    differentiable forward's walk (every_chunk_too)."""
+    tune = script("tune")
+    shape = ["--shapes", "B=1,T=32,H=1,K=128,V=16,M=2", "--dtype", "bf16", "--chunk", "16",
+             "--sets", "1", "--reps", "1", "--target-ms", "1", *COPY]
+    for stage, configs in (("walk_bwd", "w8:num_warps=8"), ("wy_bwd", "w:rhs_cotangents=0"),
+                           ("walk_t", "every:every_chunk_too=1")):
+        out = tmp_path / f"{stage}.json"
+        tune.main(["--stage", stage, "--configs", configs, "--out", str(out), *shape])
+        rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+        assert rows["default"]["ok"], rows
+        name = configs.split(":")[0]
+        assert rows[name]["ms"] > 0, rows
+        if stage == "wy_bwd":       # the w, u cotangents' VJP: another function of the same inputs
+            assert rows[name]["relerr"] > 1e-2
+        else:
+            assert rows[name]["ok"], rows
+    stage = tune.STAGES["walk_bwd"]()
+    stage.interpret = True
+    problems = script("common").make_problems(dict(B=1, T=32, H=1, K=128, V=16, M=2), op="full",
+                                              dtype="bf16", sets=1, chunk_size=16)
+    (operands,) = stage.inputs(problems)
+    assert stage.from_inverse and operands[1].shape[-1] == 16      # T [B, P, H, sub]
+    assert tune.backward_from_inverse(problems[0], True)
+    f32 = script("common").make_problems(dict(B=1, T=32, H=1, K=128, V=16, M=2), op="full",
+                                         dtype="f32", sets=1, chunk_size=16)
+    assert not tune.backward_from_inverse(f32[0], True)
+    result = script("profile_gpu").main(["--mode", "stages", "--shape", "B=1,T=32,H=1,K=128,V=16,M=2",
+                                         "--dtype", "bf16", "--chunk", "16", "--only", "walk_kernel",
+                                         "--sets", "1", "--reps", "1", "--target-ms", "1",
+                                         "--out", str(tmp_path / "stages.json"), *COPY])
+    assert result["rows"]["walk_kernel"]["ms"] > 0, result["rows"]
+
+
 def test_tune_ab_rounds_list_and_budget(capsys):
     tune = script("tune")
     result = tune.main(["--stage", "chunk_o_fwd", "--shapes", "B=1,T=32,H=1,K=16,V=16,M=1",

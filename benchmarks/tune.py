@@ -433,13 +433,17 @@ class WyBwd(Wy):
     options = dict(operand_dtype=None, precision=None, rhs_cotangents=None)   # None: the op's
 
     def inputs(self, problems):
-        self.op_rhs_cotangents = backward_from_inverse(problems[0], self.interpret)
         import jax
+        import jax.numpy as jnp
         from gdp_jax.ops.wy.pallas_fwd import wy_pallas
+        self.op_rhs_cotangents = backward_from_inverse(problems[0], self.interpret)
         wy_sets = super().inputs(problems)
         grid = self.grid[0]
+        # T in the dtype the op keeps it in for this VJP (its 16-bit operand dtype, else float32)
+        inverse_dtype = grid["wy_bwd"]["operand_dtype"] or jnp.float32
         wy = jax.jit(lambda *a: wy_pallas(*a, sub_chunk=grid["sub"], out_dtype=grid["work_dtype"],
-                                          interpret=self.interpret, return_inverse=True))
+                                          interpret=self.interpret, return_inverse=True,
+                                          inverse_dtype=inverse_dtype))
         work = grid["work_dtype"]
 
         @jax.jit

@@ -244,6 +244,12 @@ class Wy(Stage):
                    for s in (2, 3) for n in (2, 4)])
 
 
+def walk_count(shape, grid) -> dict:
+    """The walks' launch-table arguments as the op passes them: B * H walks of one step per
+    sub-chunk of the padded expanded stream."""
+    return dict(walks=shape["B"] * shape["H"], steps=grid["k_p"].shape[1] // grid["sub"])
+
+
 class Walk(Wy):
     # dot_dtype None: the op's (the work dtype); every_chunk_too: also store h at every sub-chunk,
     # as the op's backward wants it (compared on the first three outputs)
@@ -268,7 +274,8 @@ class Walk(Wy):
         from gdp_jax.ops.chunk_h import pallas_fwd
         grid = self.grid[0]
         return pallas_fwd.default_block_sizes(shape["K"], shape["V"], grid["sub"], grid["subchunks"],
-                                              1, grid["work_dtype"], every_chunk_too)
+                                              1, grid["work_dtype"], every_chunk_too,
+                                              **walk_count(shape, grid))
 
     def base(self, default, options, shape, p):
         return self.default(shape, p, True) if options.get("every_chunk_too") else default
@@ -407,7 +414,8 @@ class WalkBwd(Wy):
         from gdp_jax.ops.chunk_h import pallas_bwd
         grid = self.grid[0]
         return pallas_bwd.default_block_sizes(tile_width(shape["K"]), tile_width(shape["V"]), grid["sub"],
-                                              grid["sub"] * grid["subchunks"], self._dot({}))
+                                              grid["sub"] * grid["subchunks"], self._dot({}),
+                                              **walk_count(shape, grid))
 
     def call(self, sizes, options, shape, p, interpret):
         from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas

@@ -364,6 +364,29 @@ def test_walk_bwd_default_block_sizes_table():
     assert stages(256, 256, 64, 64 * 1, jnp.bfloat16) == 1
 
 
+def test_walks_narrow_their_value_blocks_where_few():
+    """pallas_fwd.value_block: below FEW_PROGRAMS programs on a walk of LONG_WALK_STEPS steps or
+    more, value blocks halve down to 16; both walks' launch tables take it for 16-bit dots."""
+    from gdp_jax.ops.chunk_h import pallas_fwd
+    long = pallas_fwd.LONG_WALK_STEPS
+    block = pallas_fwd.value_block
+    assert block(128, 16, long) == 16                  # B1 H16: 32 programs at 64, 128 at 16
+    assert block(128, 32, long) == 32                  # B2 H16: 64 at 64, 128 at 32
+    assert block(256, 16, long) == 32                  # K = V = 256, B1 H16
+    assert block(128, 128, long) == 64                 # B8 H16: 256 programs already
+    assert block(128, 16, long - 1) == 64              # a short walk keeps 64
+    assert block(128, 1, long) == 16                   # never below 16
+    assert block(48, 1, long) == 16 and block(48, 128, long) == 64    # V padded to 64
+    assert block(128, 16, 0) == 64                     # steps not known: many programs assumed
+    from gdp_jax.ops.chunk_h.pallas_fwd import default_block_sizes as walk_sizes
+    assert walk_sizes(128, 128, 64, 2, 1, jnp.bfloat16, walks=16, steps=long).block_v == 16
+    assert walk_sizes(128, 128, 64, 2, 1, jnp.bfloat16, walks=128, steps=long).block_v is None
+    assert walk_sizes(128, 128, 64, 2, 1, jnp.float32, walks=16, steps=long).block_v is None
+    assert default_block_sizes(128, 128, 64, 128, jnp.bfloat16, walks=16, steps=long).block_v == 16
+    assert default_block_sizes(128, 128, 64, 128, jnp.bfloat16, walks=128, steps=long).block_v == 64
+    assert default_block_sizes(128, 128, 64, 128, jnp.float32, walks=16, steps=long).block_v == 32
+
+
 def test_walk_default_block_sizes_table():
     """RESULTS.md, "State walk": on the full op's sub-chunk grid without h at every sub-chunk, one
     sub-chunk a step at two stages for 16-bit dots from K = 128 up; elsewhere two stages for

@@ -372,6 +372,31 @@ def test_backward_walks_from_inverse(case, monkeypatch):
     assert_all_close(from_inverse, with_w, tolerance(case.dtype))
 
 
+@pytest.mark.parametrize("from_inverse", [True, False], ids=["from_T", "from_w"])
+def test_narrow_value_blocks_where_walks_are_few(from_inverse, monkeypatch):
+    """chunk_h.pallas_fwd.value_block's rule, forced at this small shape (every walk counted long
+    and few): both walks run 16 value columns a program, V = 48 over four of them, from T and
+    from w. o and every input's gradient against the recurrence."""
+    from gdp_jax.ops.chunk_h import pallas_bwd, pallas_fwd
+    monkeypatch.setattr(pallas_fwd, "LONG_WALK_STEPS", 1)
+    monkeypatch.setattr(pallas_fwd, "FEW_PROGRAMS", 1 << 20)
+    monkeypatch.setattr(dispatch, "backward_walks_from_inverse",
+                        lambda dtype, key_dim: from_inverse)
+    blocks, original = [], pallas_fwd.value_block
+
+    def recording(*args, **kwargs):
+        blocks.append(original(*args, **kwargs))
+        return blocks[-1]
+
+    monkeypatch.setattr(pallas_fwd, "value_block", recording)
+    monkeypatch.setattr(pallas_bwd, "value_block", recording)
+    p = build(Case(45, 32, 48, 2, 16, dtype="bfloat16"))
+    _check_gradients(p, functools.partial(
+        gdp_jax.chunk_gated_delta_product, output_final_state=True, segment_ids=p.segment_ids,
+        chunk_size=16, implementation="interpret"), False)
+    assert len(blocks) >= 2 and set(blocks) == {16}
+
+
 # ---------------------------------------------------------------------------------------------
 # Transformations and dispatch
 

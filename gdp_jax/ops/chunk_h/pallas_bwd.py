@@ -78,7 +78,7 @@ from jax.experimental import pallas as pl
 
 from gdp_jax._src.layout import pad_state, stream_layout, tile_width
 from gdp_jax._src.pallas import plgpu, LN2, triton_call
-from gdp_jax.ops.chunk_h.pallas_fwd import decay_and_run_operands
+from gdp_jax.ops.chunk_h.pallas_fwd import decay_and_run_operands, value_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +99,16 @@ TWO_STAGE_STEP_BYTES = 2 * 64 * (2 * 64 + 64) * 2
 
 
 def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_step: int,
-                        dot_dtype=jnp.float32) -> BlockSizes:
+                        dot_dtype=jnp.float32, walks: int = 0, steps: int = 0) -> BlockSizes:
     """The launch table for K, V (padded to tile widths inside), the chunk size, the rows of k, w
-    and dv one step of the reverse walk reads (chunk_size * subchunks * num_householder) and the
-    dots' operand dtype. RESULTS.md, "Reverse state walk and its epilogue":
+    and dv one step of the reverse walk reads (chunk_size * subchunks * num_householder), the
+    dots' operand dtype and the ``walks`` (B * H) of ``steps`` chunks each (0: not known, many).
+    RESULTS.md, "Reverse state walk and its epilogue":
 
     | shape class | (block_k, block_v) | why |
     |---|---|---|
     | 16-bit dots, K <= 128 | (K, 64) | measured fastest of the block and warp choices |
+    | the same, few programs on a long walk (``pallas_fwd.value_block``) | (K, 32 or 16) | more programs for a latency-bound walk (to be measured) |
     | float32 dots, K <= 128 | (64, 32) | no spill in offline sm_90a builds (BK 32 spills: more load sites) |
     | float32 dots, K = 256 | (64, 16) | the widest value block without spills offline |
     | 16-bit dots, a step of at most TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.72x at K = 64, M = 2; 0.89x at K = 128, M = 1 |
@@ -119,7 +121,7 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_
     warps = 8 if chunk_size >= 128 else 4
     itemsize = jnp.dtype(dot_dtype).itemsize
     if itemsize == 2 and kp <= 128:
-        block_k, block_v = kp, min(vp, 64)
+        block_k, block_v = kp, value_block(value_dim, walks, steps)
     else:
         block_k, block_v = min(kp, 64), min(vp, 32 if kp <= 128 else 16)
     step_bytes = rows_per_step * (2 * kp + block_v) * itemsize
@@ -258,7 +260,8 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     t_pad = tokens + pad_t
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size,
-                                               chunk_size * subchunks * m, dot_dtype)
+                                               chunk_size * subchunks * m, dot_dtype,
+                                               walks=batch * heads, steps=num_chunks)
     block_k, block_v = sizes.block_k, sizes.block_v
     for name, block, width in (("block_k", block_k, kp), ("block_v", block_v, vp)):
         if width % block or block < 16 or block & (block - 1):
@@ -386,7 +389,8 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     f32 = jnp.float32
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size,
-                                               chunk_size * subchunks * m, dot_dtype)
+                                               chunk_size * subchunks * m, dot_dtype,
+                                               walks=batch * heads, steps=num_chunks)
     dvt, dstate, dinit = chunk_h_bwd_walk(
         k, w, g, runs, dh, dv_new, dfinal, chunk_size=chunk_size, num_householder=m,
         with_initial_state=with_initial_state, subchunks=subchunks, dot_dtype=dot_dtype,

@@ -44,29 +44,51 @@ class BlockSizes:
 TWO_STAGE_STEP_BYTES = 2 * 64 * (2 * 128 + 64) * 2
 
 
+# A walk is one dependent chain of dots per step, so its programs are latency-bound: below this
+# many (B * H * value blocks; the H200 has 132 SMs) SMs sit idle, and on a long walk narrower
+# value blocks buy programs. Walks of fewer steps take microseconds either way.
+FEW_PROGRAMS = 128
+LONG_WALK_STEPS = 512
+
+
+def value_block(value_dim: int, walks: int, steps: int, widest: int = 64) -> int:
+    """Value columns a walk program takes: min(padded V, ``widest``), halved down to 16 while
+    ``walks`` (B * H) times the value blocks stays under FEW_PROGRAMS, on walks of at least
+    LONG_WALK_STEPS ``steps``."""
+    vp = tile_width(value_dim)
+    block = min(vp, widest)
+    while block > 16 and steps >= LONG_WALK_STEPS and walks * (vp // block) < FEW_PROGRAMS:
+        block //= 2
+    return block
+
+
 def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks: int,
-                        num_householder: int, dot_dtype, every_chunk_too: bool = False) -> BlockSizes:
+                        num_householder: int, dot_dtype, every_chunk_too: bool = False,
+                        walks: int = 0, steps: int = 0) -> BlockSizes:
     """The walk's launch table (RESULTS.md, "State walk") for K, V (unpadded), the chunk the walk
-    steps by, ``subchunks`` of them a stored state, ``num_householder`` rows a token and whether
-    the state before every chunk is stored too. A step's bytes are its rows of k, w and u.
+    steps by, ``subchunks`` of them a stored state, ``num_householder`` rows a token, whether
+    the state before every chunk is stored too, and the ``walks`` (B * H) of ``steps`` chunks
+    each (0: not known, many). A step's bytes are its rows of k, w and u.
 
     | case | choice | why |
     |---|---|---|
     | all | 64 value columns, 4 warps | fastest of the block_v x warps sweep |
+    | 16-bit dots, few programs on a long walk (``value_block``) | 32 or 16 value columns | more programs for a latency-bound walk (to be measured) |
     | 16-bit dots, sub-chunk grid, h at token chunks only, padded K >= 128, a sub-chunk <= TWO_STAGE_STEP_BYTES | one sub-chunk a step, 2 stages | 0.79x at M = 3 (whole chunks: 1 stage), 0.76x at K = 256, 0.89x at M = 2 (whole chunks at 2 stages) |
     | other 16-bit dots, a step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time (0.56-0.86x also storing h at every sub-chunk); one sub-chunk a step took the op's forward to 1.06x at K = 64, and the walk to 1.18x at M = 2 and 1.02x at M = 3 with h at every sub-chunk |
     | larger steps, float32 dots | 1 stage | 2 stages overflow shared memory (larger steps) or run 1.9x slower (float32 dots) |
     """
     itemsize = jnp.dtype(dot_dtype).itemsize
-    block_v = min(tile_width(value_dim), 64)
-    row_bytes = (2 * tile_width(key_dim) + block_v) * itemsize
     if itemsize != 2:
         return BlockSizes(num_stages=1)
+    block_v = value_block(value_dim, walks, steps)
+    narrow = None if block_v == min(tile_width(value_dim), 64) else block_v
+    row_bytes = (2 * tile_width(key_dim) + block_v) * itemsize
     if (subchunks > 1 and not every_chunk_too and tile_width(key_dim) >= 128
             and chunk_size * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES):
-        return BlockSizes(num_stages=2, chunks_per_step=1)
+        return BlockSizes(block_v=narrow, num_stages=2, chunks_per_step=1)
     two = chunk_size * subchunks * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES
-    return BlockSizes(num_stages=2 if two else 1)
+    return BlockSizes(block_v=narrow, num_stages=2 if two else 1)
 
 
 def decay_and_run_operands(g, runs, pad_tokens: int):
@@ -222,7 +244,8 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     f32 = jnp.float32
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size, subchunks, m,
-                                               dot_dtype, every_chunk_too)
+                                               dot_dtype, every_chunk_too, walks=batch * heads,
+                                               steps=num_chunks)
     block_v = sizes.block_v or min(vp, 64)
     chunks_per_step = sizes.chunks_per_step or subchunks
     if chunks_per_step < 1 or subchunks % chunks_per_step:

@@ -248,6 +248,7 @@ class Walk(Wy):
     # dot_dtype None: the op's (the work dtype); every_chunk_too: also store h at every sub-chunk,
     # as the op's backward wants it (compared on the first three outputs)
     options = dict(dot_dtype=None, every_chunk_too=False)
+    applies_inverse = False     # reads w and u (WalkT applies T)
 
     def inputs(self, problems):
         import jax
@@ -268,7 +269,8 @@ class Walk(Wy):
         from gdp_jax.ops.chunk_h import pallas_fwd
         grid = self.grid[0]
         return pallas_fwd.default_block_sizes(shape["K"], shape["V"], grid["sub"], grid["subchunks"],
-                                              1, grid["work_dtype"], every_chunk_too)
+                                              1, grid["work_dtype"], every_chunk_too,
+                                              applies_inverse=self.applies_inverse)
 
     def base(self, default, options, shape, p):
         return self.default(shape, p, True) if options.get("every_chunk_too") else default
@@ -316,6 +318,7 @@ class WalkT(Walk):
     as the op's 16-bit forward calls it from padded K = 128 up; with ``every_chunk_too`` as
     bfloat16's differentiable forward calls it (h at every sub-chunk too, for the backward)."""
     options = dict(dot_dtype=None, every_chunk_too=False)
+    applies_inverse = True
 
     def inputs(self, problems):
         import jax

@@ -387,6 +387,12 @@ def test_walk_default_block_sizes_table():
     assert sizes(64, 64, 64, 3, 1, bf16, **every) == (2, None)      # a smaller step than M = 2, K = 128
     assert sizes(100, 256, 64, 2, 1, bf16, **every) == (2, None)    # K padded to 128, 64-wide v blocks
     assert sizes(129, 128, 64, 2, 1, bf16, **every) == (1, None)    # K padded to 256
+    # ... unless the walk applies T (bfloat16's differentiable forward): one sub-chunk a step.
+    every_t = dict(every_chunk_too=True, applies_inverse=True)
+    assert sizes(128, 128, 64, 2, 1, bf16, **every_t) == (2, 1)     # offline: 74 KiB, not 131.6
+    assert sizes(256, 256, 64, 2, 1, bf16, **every_t) == (2, 1)
+    assert sizes(64, 64, 64, 2, 1, bf16, **every_t) == (2, None)    # K = 64: whole chunks, as w, u
+    assert sizes(128, 128, 64, 2, 1, bf16, applies_inverse=True) == (2, 1)   # the primal walk as before
     # The seed op's walk: a token chunk of M rows a token, no sub-chunk grid.
     assert sizes(128, 128, 64, 1, 2, bf16) == (2, None)             # measured: 0.86x
     assert sizes(128, 128, 64, 1, 1, jnp.float16) == (2, None)      # M = 1: 0.75x

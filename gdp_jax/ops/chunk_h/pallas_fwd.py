@@ -45,24 +45,28 @@ TWO_STAGE_STEP_BYTES = 2 * 64 * (2 * 128 + 64) * 2
 
 
 def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks: int,
-                        num_householder: int, dot_dtype, every_chunk_too: bool = False) -> BlockSizes:
+                        num_householder: int, dot_dtype, every_chunk_too: bool = False,
+                        applies_inverse: bool = False) -> BlockSizes:
     """The walk's launch table (RESULTS.md, "State walk") for K, V (unpadded), the chunk the walk
-    steps by, ``subchunks`` of them a stored state, ``num_householder`` rows a token and whether
-    the state before every chunk is stored too. A step's bytes are its rows of k, w and u.
+    steps by, ``subchunks`` of them a stored state, ``num_householder`` rows a token, whether
+    the state before every chunk is stored too and whether the walk applies T itself. A step's
+    bytes are its rows of k, w and u (k, T and v where it applies T).
 
     | case | choice | why |
     |---|---|---|
     | all | 64 value columns, 4 warps | fastest of the block_v x warps sweep |
     | 16-bit dots, sub-chunk grid, h at token chunks only, padded K >= 128, a sub-chunk <= TWO_STAGE_STEP_BYTES | one sub-chunk a step, 2 stages | 0.79x at M = 3 (whole chunks: 1 stage), 0.76x at K = 256, 0.89x at M = 2 (whole chunks at 2 stages) |
+    | the same with h at every sub-chunk where the walk applies T | one sub-chunk a step, 2 stages | offline sm_90a at the headline: 74 KiB of shared memory against 131.6 for whole token chunks, two programs per SM (to be measured) |
     | other 16-bit dots, a step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time (0.56-0.86x also storing h at every sub-chunk); one sub-chunk a step took the op's forward to 1.06x at K = 64, and the walk to 1.18x at M = 2 and 1.02x at M = 3 with h at every sub-chunk |
     | larger steps, float32 dots | 1 stage | 2 stages overflow shared memory (larger steps) or run 1.9x slower (float32 dots) |
     """
     itemsize = jnp.dtype(dot_dtype).itemsize
     block_v = min(tile_width(value_dim), 64)
-    row_bytes = (2 * tile_width(key_dim) + block_v) * itemsize
+    second = chunk_size if applies_inverse else tile_width(key_dim)     # T's row or w's
+    row_bytes = (tile_width(key_dim) + second + block_v) * itemsize
     if itemsize != 2:
         return BlockSizes(num_stages=1)
-    if (subchunks > 1 and not every_chunk_too and tile_width(key_dim) >= 128
+    if (subchunks > 1 and (applies_inverse or not every_chunk_too) and tile_width(key_dim) >= 128
             and chunk_size * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES):
         return BlockSizes(num_stages=2, chunks_per_step=1)
     two = chunk_size * subchunks * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES
@@ -222,7 +226,8 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     f32 = jnp.float32
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size, subchunks, m,
-                                               dot_dtype, every_chunk_too)
+                                               dot_dtype, every_chunk_too,
+                                               applies_inverse=inverse is not None)
     block_v = sizes.block_v or min(vp, 64)
     chunks_per_step = sizes.chunks_per_step or subchunks
     if chunks_per_step < 1 or subchunks % chunks_per_step:

@@ -221,6 +221,38 @@ def test_walk_applies_inverse(case, monkeypatch):
                      dict(h=h_wu, v_new=v_new_wu, final_state=final_wu), tol)
 
 
+def test_differentiable_forward_walk_applying_inverse_one_sub_chunk_a_step(monkeypatch):
+    """bfloat16's differentiable forward (the walk applies T and stores h at every sub-chunk) at
+    one sub-chunk a loop step, the launch table's choice from K = 128 (forced here at K = 32):
+    the same bits as whole token chunks a step, and the recurrence's h, v_new and final state."""
+    import dataclasses
+    from gdp_jax._src import dispatch
+    from gdp_jax.ops.chunk_h import pallas_fwd
+    from gdp_jax.ops.gated_delta_product import states_pallas
+    case = Case(100, 32, 16, 2, 16, dtype="bfloat16")
+    p = build(case)
+    monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype, key_dim: True)
+    run = lambda: jax.jit(functools.partial(
+        states_pallas, chunk_size=16, num_householder=2, interpret=True, every_sub_chunk=True))(
+        p.k, p.v, p.beta, p.g_raw, p.runs, p.initial_state)
+    steps, table = [], pallas_fwd.default_block_sizes
+
+    def one_a_step(*args, **kwargs):
+        sizes = dataclasses.replace(table(*args, **kwargs), chunks_per_step=1, num_stages=2)
+        steps.append(kwargs.get("applies_inverse"))
+        return sizes
+
+    whole = run()
+    monkeypatch.setattr(pallas_fwd, "default_block_sizes", one_a_step)
+    one = run()
+    assert steps == [True]
+    assert whole[3][0] is None and one[3][0] is None               # no w: the route from T
+    chex.assert_trees_all_equal(one, whole)
+    tol = tolerance(case.dtype)
+    for name, x in zip(("h", "v_new", "final_state"), one[:3]):
+        assert_close(x, p.ref[name], tol, name)
+
+
 def test_walk_inverse_arguments_are_checked():
     p = build(Case(40, 16, 16, 1, 16, dtype="bfloat16", segments=False))
     k = p.k

@@ -254,6 +254,7 @@ class Walk(Wy):
     # dot_dtype None: the op's (the work dtype); every_chunk_too: also store h at every sub-chunk,
     # as the op's backward wants it (compared on the first three outputs)
     options = dict(dot_dtype=None, every_chunk_too=False)
+    applies_inverse = False     # reads w and u (WalkT applies T)
 
     def inputs(self, problems):
         import jax
@@ -275,6 +276,7 @@ class Walk(Wy):
         grid = self.grid[0]
         return pallas_fwd.default_block_sizes(shape["K"], shape["V"], grid["sub"], grid["subchunks"],
                                               1, grid["work_dtype"], every_chunk_too,
+                                              applies_inverse=self.applies_inverse,
                                               **walk_count(shape, grid))
 
     def base(self, default, options, shape, p):
@@ -323,6 +325,7 @@ class WalkT(Walk):
     as the op's 16-bit forward calls it from padded K = 128 up; with ``every_chunk_too`` as
     bfloat16's differentiable forward calls it (h at every sub-chunk too, for the backward)."""
     options = dict(dot_dtype=None, every_chunk_too=False)
+    applies_inverse = True
 
     def inputs(self, problems):
         import jax

@@ -221,6 +221,38 @@ def test_walk_applies_inverse(case, monkeypatch):
                      dict(h=h_wu, v_new=v_new_wu, final_state=final_wu), tol)
 
 
+def test_differentiable_forward_walk_applying_inverse_one_sub_chunk_a_step(monkeypatch):
+    """bfloat16's differentiable forward (the walk applies T and stores h at every sub-chunk) at
+    one sub-chunk a loop step, the launch table's choice from K = 128 (forced here at K = 32):
+    the same bits as whole token chunks a step, and the recurrence's h, v_new and final state."""
+    import dataclasses
+    from gdp_jax._src import dispatch
+    from gdp_jax.ops.chunk_h import pallas_fwd
+    from gdp_jax.ops.gated_delta_product import states_pallas
+    case = Case(100, 32, 16, 2, 16, dtype="bfloat16")
+    p = build(case)
+    monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype, key_dim: True)
+    run = lambda: jax.jit(functools.partial(
+        states_pallas, chunk_size=16, num_householder=2, interpret=True, every_sub_chunk=True))(
+        p.k, p.v, p.beta, p.g_raw, p.runs, p.initial_state)
+    steps, table = [], pallas_fwd.default_block_sizes
+
+    def one_a_step(*args, **kwargs):
+        sizes = dataclasses.replace(table(*args, **kwargs), chunks_per_step=1, num_stages=2)
+        steps.append(kwargs.get("applies_inverse"))
+        return sizes
+
+    whole = run()
+    monkeypatch.setattr(pallas_fwd, "default_block_sizes", one_a_step)
+    one = run()
+    assert steps == [True]
+    assert whole[3][0] is None and one[3][0] is None               # no w: the route from T
+    chex.assert_trees_all_equal(one, whole)
+    tol = tolerance(case.dtype)
+    for name, x in zip(("h", "v_new", "final_state"), one[:3]):
+        assert_close(x, p.ref[name], tol, name)
+
+
 def test_walk_inverse_arguments_are_checked():
     p = build(Case(40, 16, 16, 1, 16, dtype="bfloat16", segments=False))
     k = p.k
@@ -410,6 +442,12 @@ def test_walk_default_block_sizes_table():
     assert sizes(64, 64, 64, 3, 1, bf16, **every) == (2, None)      # a smaller step than M = 2, K = 128
     assert sizes(100, 256, 64, 2, 1, bf16, **every) == (2, None)    # K padded to 128, 64-wide v blocks
     assert sizes(129, 128, 64, 2, 1, bf16, **every) == (1, None)    # K padded to 256
+    # ... unless the walk applies T (bfloat16's differentiable forward): one sub-chunk a step.
+    every_t = dict(every_chunk_too=True, applies_inverse=True)
+    assert sizes(128, 128, 64, 2, 1, bf16, **every_t) == (2, 1)     # offline: 74 KiB, not 131.6
+    assert sizes(256, 256, 64, 2, 1, bf16, **every_t) == (2, 1)
+    assert sizes(64, 64, 64, 2, 1, bf16, **every_t) == (2, None)    # K = 64: whole chunks, as w, u
+    assert sizes(128, 128, 64, 2, 1, bf16, applies_inverse=True) == (2, 1)   # the primal walk as before
     # The seed op's walk: a token chunk of M rows a token, no sub-chunk grid.
     assert sizes(128, 128, 64, 1, 2, bf16) == (2, None)             # measured: 0.86x
     assert sizes(128, 128, 64, 1, 1, jnp.float16) == (2, None)      # M = 1: 0.75x

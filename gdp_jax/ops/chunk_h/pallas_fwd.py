@@ -64,17 +64,19 @@ def value_block(value_dim: int, walks: int, steps: int, widest: int = 64) -> int
 
 def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks: int,
                         num_householder: int, dot_dtype, every_chunk_too: bool = False,
-                        walks: int = 0, steps: int = 0) -> BlockSizes:
+                        walks: int = 0, steps: int = 0, applies_inverse: bool = False) -> BlockSizes:
     """The walk's launch table (RESULTS.md, "State walk") for K, V (unpadded), the chunk the walk
     steps by, ``subchunks`` of them a stored state, ``num_householder`` rows a token, whether
-    the state before every chunk is stored too, and the ``walks`` (B * H) of ``steps`` chunks
-    each (0: not known, many). A step's bytes are its rows of k, w and u.
+    the state before every chunk is stored too, the ``walks`` (B * H) of ``steps`` chunks each
+    (0: not known, many) and whether the walk applies T itself. A step's bytes are its rows of
+    k, w and u (k, T and v where it applies T).
 
     | case | choice | why |
     |---|---|---|
     | all | 64 value columns, 4 warps | fastest of the block_v x warps sweep |
-    | 16-bit dots, few programs on a long walk (``value_block``) | 32 or 16 value columns | more programs for a latency-bound walk (to be measured) |
+    | 16-bit dots, few programs on a long walk (``value_block``) | 32 or 16 value columns | more programs for a latency-bound walk: the op's forward / forward + backward 0.90x / 0.86x on B1 T65536 H16 (16 columns), 0.92x / 0.94x on B2 T32768 H16 and 0.59x / 0.96x on B1 T32768 K256 (32) |
     | 16-bit dots, sub-chunk grid, h at token chunks only, padded K >= 128, a sub-chunk <= TWO_STAGE_STEP_BYTES | one sub-chunk a step, 2 stages | 0.79x at M = 3 (whole chunks: 1 stage), 0.76x at K = 256, 0.89x at M = 2 (whole chunks at 2 stages) |
+    | the same with h at every sub-chunk where the walk applies T | one sub-chunk a step, 2 stages | offline sm_90a at the headline: 74 KiB of shared memory against 131.6 for whole token chunks, two programs per SM; the op's forward + backward 0.96x at the headline, 0.97x at M = 3 and at K = 256 |
     | other 16-bit dots, a step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time (0.56-0.86x also storing h at every sub-chunk); one sub-chunk a step took the op's forward to 1.06x at K = 64, and the walk to 1.18x at M = 2 and 1.02x at M = 3 with h at every sub-chunk |
     | larger steps, float32 dots | 1 stage | 2 stages overflow shared memory (larger steps) or run 1.9x slower (float32 dots) |
     """
@@ -83,8 +85,9 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks
         return BlockSizes(num_stages=1)
     block_v = value_block(value_dim, walks, steps)
     narrow = None if block_v == min(tile_width(value_dim), 64) else block_v
-    row_bytes = (2 * tile_width(key_dim) + block_v) * itemsize
-    if (subchunks > 1 and not every_chunk_too and tile_width(key_dim) >= 128
+    second = chunk_size if applies_inverse else tile_width(key_dim)     # T's row or w's
+    row_bytes = (tile_width(key_dim) + second + block_v) * itemsize
+    if (subchunks > 1 and (applies_inverse or not every_chunk_too) and tile_width(key_dim) >= 128
             and chunk_size * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES):
         return BlockSizes(block_v=narrow, num_stages=2, chunks_per_step=1)
     two = chunk_size * subchunks * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES
@@ -245,7 +248,7 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     f32 = jnp.float32
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size, subchunks, m,
                                                dot_dtype, every_chunk_too, walks=batch * heads,
-                                               steps=num_chunks)
+                                               steps=num_chunks, applies_inverse=inverse is not None)
     block_v = sizes.block_v or min(vp, 64)
     chunks_per_step = sizes.chunks_per_step or subchunks
     if chunks_per_step < 1 or subchunks % chunks_per_step:

@@ -21,7 +21,7 @@ stream; residuals from ops.gated_delta_product.states_pallas, random cotangents)
                  (which also keeps the state before every sub-chunk);
   wy_fwd, walk_fwd: the WY kernel and the state walk alone;
   wy_fwd_t, walk_fwd_t: the same where the walk applies the WY kernel's T (the op's 16-bit
-                 forward from K = 128 up): the WY kernel writes T alone;
+                 forward): the WY kernel writes T alone;
   walk_bwd:      ops.chunk_h.pallas_bwd.chunk_h_bwd_pallas (reverse walk + epilogue), and
   walk_kernel:   the reverse walk alone (chunk_h_bwd_walk), both from w or from T as the op's
                  backward runs them (tune.backward_from_inverse);

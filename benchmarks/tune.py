@@ -322,7 +322,7 @@ class WyT(Wy):
 
 class WalkT(Walk):
     """The state walk applying the WY kernel's T itself (v_new = T (beta (v - live 2^gamma k h))),
-    as the op's 16-bit forward calls it from padded K = 128 up; with ``every_chunk_too`` as
+    as the op's 16-bit forward calls it; with ``every_chunk_too`` as
     bfloat16's differentiable forward calls it (h at every sub-chunk too, for the backward)."""
     options = dict(dot_dtype=None, every_chunk_too=False)
     applies_inverse = True

@@ -225,11 +225,11 @@ def wy_fwd_runs_kernel(dtype, interpret: bool) -> bool:
 def walk_applies_inverse(dtype, key_dim: int) -> bool:
     """Whether the op's undifferentiated forward has the WY kernel write T alone and the state
     walk apply it (v_new = T (beta (v - live 2^gamma s (k h))), w and u never written): for 16-bit
-    inputs, whose w and u round to 16 bits anyway, from padded K = 128 up, where the walk steps
-    one sub-chunk at a time. RESULTS.md, "The walk applies T": the op's forward 0.90-0.92x at
-    K = 128, 0.79x at K = 256, 1.16x at K = 64 (whole-chunk steps). float32 inputs keep the IEEE
-    w and u (the walk's dots are TF32)."""
-    return jnp.dtype(dtype).itemsize == 2 and tile_width(key_dim) >= 128
+    inputs, whose w and u round to 16 bits anyway. RESULTS.md, "The walk applies T" and "The
+    backward works from T": the op's forward 0.90-0.92x at K = 128, 0.79x at K = 256, 0.97x at
+    K = 64 (with the WY kernel writing T at one warp; 1.16x at two). float32 inputs keep the
+    IEEE w and u (the walk's dots are TF32)."""
+    return jnp.dtype(dtype).itemsize == 2
 
 
 def backward_walks_from_inverse(dtype, key_dim: int) -> bool:
@@ -237,7 +237,7 @@ def backward_walks_from_inverse(dtype, key_dim: int) -> bool:
     VJP anyway) and both state walks work from it: the forward walk applies T, the reverse walk
     forms w^T dvt as k^T (r (T^T dvt)), and w and u never reach HBM. For bfloat16 inputs, whose
     VJP keeps T in bfloat16, the walks' dot dtype (float16 keeps it in float32 for TF32 dots),
-    from padded K = 128 up, as ``walk_applies_inverse``. RESULTS.md, "The backward works from T":
+    from padded K = 128 up, where the walks step one sub-chunk at a time. RESULTS.md, "The backward works from T":
     the op's forward + backward 0.90-0.94x at K = 128 (M 1-3), 0.81x at K = 256."""
     return jnp.dtype(dtype) == jnp.bfloat16 and tile_width(key_dim) >= 128
 

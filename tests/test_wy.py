@@ -366,13 +366,16 @@ def test_wy_pallas_sub_chunks_per_program(per_program, dtype):
 
 
 def test_wy_default_sub_chunks_per_program():
-    """The launch rule: up to K, V = 128 a program loops over 4 sub-chunks, else 2, where they
-    divide the row's sub-chunks; K or V = 256 keeps one program per sub-chunk."""
+    """The launch rule: writing w and u, up to K, V = 128 a program loops over 4 sub-chunks, else
+    2, where they divide the row's sub-chunks, and K or V = 256 keeps one program per sub-chunk;
+    writing T alone, the other way round: one up to K = 128, 2 at K = 256 where they divide."""
     rule = default_sub_chunks_per_program
     assert [rule(jnp.bfloat16, 128, 128, n) for n in (8, 6, 3)] == [4, 2, 1]
     assert rule(jnp.float16, 64, 32, 12) == 4
     assert rule(jnp.float32, 128, 128, 8) == 4
     assert rule(jnp.bfloat16, 256, 128, 8) == 1
+    assert [rule(jnp.bfloat16, 128, 128, n, w_and_u=False) for n in (8, 6, 3)] == [1, 1, 1]
+    assert [rule(jnp.bfloat16, 256, 256, n, w_and_u=False) for n in (8, 6, 3)] == [2, 2, 1]
 
 
 def test_wy_bwd_16_bit_inverse():

@@ -94,20 +94,26 @@ def default_substituted_rows(dtype, key_dim: int, value_dim: int) -> int:
     return _BLOCK
 
 
-def default_sub_chunks_per_program(dtype, key_dim: int, value_dim: int, sub_chunks: int) -> int:
-    """Sub-chunks per program for the padded K, V and the number of sub-chunks in a row (RESULTS.md,
-    "WY kernel", sub-chunks per program); the same for every input dtype:
+def default_sub_chunks_per_program(dtype, key_dim: int, value_dim: int, sub_chunks: int,
+                                   w_and_u: bool = True) -> int:
+    """Sub-chunks per program for the padded K, V, the number of sub-chunks in a row and what the
+    kernel writes (RESULTS.md, "WY kernel", sub-chunks per program); the same for every input
+    dtype:
 
     | case | per program | why |
     |---|---|---|
-    | K, V <= 128, sub-chunks a multiple of 4 | 4 | the next sub-chunks' loads hide under the substitution: 0.91x at bf16 M = 2 and 3, 0.69x at K = 64, 0.68x for float32 |
+    | w and u, K, V <= 128, sub-chunks a multiple of 4 | 4 | the next sub-chunks' loads hide under the substitution: 0.91x at bf16 M = 2 and 3, 0.69x at K = 64, 0.68x for float32 |
     | the same, sub-chunks a multiple of 2 | 2 | 0.93-0.95x at bf16 K = 128, 0.69x at K = 64, 0.71x for float32 |
-    | K or V = 256 | 1 | the loop takes 1.8-1.9x there (the kernel already spills) |
+    | w and u, K or V = 256 | 1 | the loop takes 1.8-1.9x there (the kernel already spills) |
+    | T alone, K <= 128 | 1 | 0.86x the loop of 4 at the headline (offline sm_90a: the loop spills 52-60 B at one warp, one sub-chunk none) |
+    | T alone, K = 256, sub-chunks a multiple of 2 | 2 | 0.79x one sub-chunk a program |
     | otherwise | 1 | a lone sub-chunk has nothing to overlap |
 
     For float32 the loop also lengthens the compile (offline sm_90a: 25.9 s against 23.3 s).
     """
     del dtype   # measured alike for float32, float16 and bfloat16
+    if not w_and_u:
+        return 2 if key_dim > 128 and sub_chunks % 2 == 0 else 1
     if max(key_dim, value_dim) <= 128:
         for n in (4, 2):
             if sub_chunks % n == 0:
@@ -294,7 +300,7 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
         raise ValueError(f"wy_pallas: positions {positions} must be a multiple of sub_chunk {sub_chunk}, "
                          f"itself a multiple of {_BLOCK} and at most 64")
     n = sizes.sub_chunks_per_program or default_sub_chunks_per_program(
-        k.dtype, key_dim, value_dim, positions // sub_chunk)
+        k.dtype, key_dim, value_dim, positions // sub_chunk, w_and_u)
     num_stages = sizes.num_stages or (2 if n > 1 else 1)
     if n < 1 or positions % (n * sub_chunk):
         raise ValueError(f"wy_pallas: sub_chunks_per_program must divide the {positions // sub_chunk} "

@@ -17,6 +17,7 @@ stage's BlockSizes fields, default and sweep):
   wy           ops.wy.pallas_fwd.wy_pallas on the full op's sub-chunk grid
   walk         ops.chunk_h.pallas_fwd.chunk_h_pallas on it (w, u from the default WY kernel)
   wy_t         the WY kernel writing T alone (w_and_u=False), as the op's 16-bit forward calls it
+  wy_t_l2norm  the same normalising the keys (normalize_keys), as use_qk_l2norm's fused forward does
   walk_t       the walk applying that T itself (inverse=, beta=)
   walk_bwd     ops.chunk_h.pallas_bwd.chunk_h_bwd_pallas (reverse walk + epilogue; the forward's
                residuals from ops.gated_delta_product.states_pallas, random cotangents)
@@ -302,6 +303,7 @@ class Walk(Wy):
 class WyT(Wy):
     """The WY kernel as the op's 16-bit forward calls it where the walk applies T
     (``dispatch.walk_applies_inverse``): T alone, v not read."""
+    normalize_keys = False
 
     def inputs(self, problems):
         return [(k, beta, gamma, runs) for k, _, beta, gamma, runs in super().inputs(problems)]
@@ -312,12 +314,18 @@ class WyT(Wy):
         return lambda k, beta, gamma, runs: wy_pallas(
             k, None, beta, gamma, runs, sub_chunk=grid["sub"], out_dtype=grid["work_dtype"],
             interpret=interpret, return_inverse=True, inverse_dtype=grid["work_dtype"],
-            w_and_u=False, block_sizes=sizes)[0]
+            w_and_u=False, normalize_keys=self.normalize_keys, block_sizes=sizes)[0]
 
     def sweep(self, shape, default):
         # one warp (the default) at each sub-chunk loop and stage count; two warps for reference
         return ([dict(num_stages=s, sub_chunks_per_program=n) for s in (1, 2, 3) for n in (1, 2, 4)]
                 + [dict(num_warps=2)])
+
+
+class WyTL2norm(WyT):
+    """WyT normalising the keys itself and returning their factors (``normalize_keys``), as the
+    undifferentiated forward with use_qk_l2norm calls it where ``dispatch.l2norm_fused`` takes it."""
+    normalize_keys = True
 
 
 class WalkT(Walk):
@@ -500,7 +508,7 @@ class WyBwd(Wy):
 
 
 STAGES = dict(chunk_o_fwd=ChunkOFwd, chunk_o_fwd_mosaic=ChunkOFwdMosaic, chunk_o_bwd=ChunkOBwd,
-              wy=Wy, walk=Walk, wy_t=WyT, walk_t=WalkT, walk_bwd=WalkBwd, wy_bwd=WyBwd)
+              wy=Wy, walk=Walk, wy_t=WyT, wy_t_l2norm=WyTL2norm, walk_t=WalkT, walk_bwd=WalkBwd, wy_bwd=WyBwd)
 
 
 def make_sizes(stage, default, overrides, shape, p):

@@ -326,7 +326,8 @@ def test_bench_full_op(tmp_path, capsys, baseline_dir):
 # A tiny config per stage, with another tiling than the default's where the stage has one.
 TUNE_CONFIGS = {"chunk_o_fwd": "k16:block_k=16;odd:block_v=48", "chunk_o_bwd": "bk16:block_k=16",
                 "wy": "w4:num_warps=4", "walk": "bv16:block_v=16", "walk_bwd": "bv16:block_v=16",
-                "wy_t": "w4:num_warps=4", "walk_t": "bv16:block_v=16",
+                "wy_t": "w4:num_warps=4", "wy_t_l2norm": "n2:sub_chunks_per_program=2",
+                "walk_t": "bv16:block_v=16",
                 "wy_bwd": "c16:block_cols=16"}
 
 

@@ -193,10 +193,10 @@ def capture_chunk_o(names, out_dir):
     return meta
 
 
-def capture_full_op(out_dir, shape=None):
+def capture_full_op(out_dir, shape=None, l2norm: bool = False):
     """Every kernel of the full op's forward and backward (bf16; ``shape`` a dict with B, T, H, K,
-    V, M, default B=8 T=4096 H=16 K=V=128 M=2), and as NAME@primal those the undifferentiated
-    forward launches with another program (its own launch rules)."""
+    V, M, default B=8 T=4096 H=16 K=V=128 M=2; ``l2norm``: use_qk_l2norm), and as NAME@primal
+    those the undifferentiated forward launches with another program (its own launch rules)."""
     import jax
     import jax.numpy as jnp
 
@@ -210,7 +210,7 @@ def capture_full_op(out_dir, shape=None):
 
     def loss(q, k, v, g, beta):
         o, _ = gdp_jax.chunk_gated_delta_product(q, k, v, g, beta, num_householder=M,
-                                                 implementation="pallas")
+                                                 use_qk_l2norm=l2norm, implementation="pallas")
         return o.astype(jnp.float32).sum()
 
     with _Capture() as cap:
@@ -315,6 +315,7 @@ def main(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS), help="chunk_o variants (--case chunk_o)")
     p.add_argument("--shape", default=None,
                    help="--case full: 'B=..,T=..,H=..,K=..[,V=..],M=..' (default B=8,T=4096,H=16,K=128,M=2)")
+    p.add_argument("--l2norm", action="store_true", help="--case full: use_qk_l2norm=True")
     p.add_argument("--stages", default="",
                    help="comma-separated pipeline stage counts to also compile every kernel at "
                         "(rows NAME@sN; with --triton): shared memory and registers of 'num_stages' "
@@ -330,7 +331,7 @@ def main(argv=None):
         if args.shape:
             from common import parse_shapes
             (shape,) = parse_shapes(args.shape)
-        meta = capture_full_op(args.out, shape)
+        meta = capture_full_op(args.out, shape, args.l2norm)
     if args.triton is None:
         with open(os.path.join(args.out, "codegen.json"), "w") as fh:
             json.dump(meta, fh, indent=1)

@@ -227,8 +227,9 @@ def walk_applies_inverse(dtype, key_dim: int) -> bool:
     walk apply it (v_new = T (beta (v - live 2^gamma s (k h))), w and u never written): for 16-bit
     inputs, whose w and u round to 16 bits anyway. RESULTS.md, "The walk applies T" and "The
     backward works from T": the op's forward 0.90-0.92x at K = 128, 0.79x at K = 256, 0.97x at
-    K = 64 (with the WY kernel writing T at one warp; 1.16x at two). float32 inputs keep the
-    IEEE w and u (the walk's dots are TF32)."""
+    K = 64 with the WY kernel writing T at one warp (1.16x at two), 0.92x with it at one
+    sub-chunk a program ("Few-program walks, ..."). float32 inputs keep the IEEE w and u (the
+    walk's dots are TF32)."""
     return jnp.dtype(dtype).itemsize == 2
 
 

@@ -231,7 +231,7 @@ def test_differentiable_forward_walk_applying_inverse_one_sub_chunk_a_step(monke
     from gdp_jax.ops.gated_delta_product import states_pallas
     case = Case(100, 32, 16, 2, 16, dtype="bfloat16")
     p = build(case)
-    monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype, key_dim: True)
+    monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype: True)
     run = lambda: jax.jit(functools.partial(
         states_pallas, chunk_size=16, num_householder=2, interpret=True, every_sub_chunk=True))(
         p.k, p.v, p.beta, p.g_raw, p.runs, p.initial_state)

@@ -361,11 +361,11 @@ def test_backward_walks_from_inverse(case, monkeypatch):
         return dict(zip(("k", "v", "beta"), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
             p.k, p.v, p.beta)))
 
-    monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype, key_dim: True)
+    monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype: True)
     _check_gradients(p, op, False)
     from_inverse = grads()
     assert seen and all(seen)
-    monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype, key_dim: False)
+    monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype: False)
     seen.clear()
     with_w = grads()
     assert seen and not any(seen)
@@ -381,7 +381,7 @@ def test_narrow_value_blocks_where_walks_are_few(from_inverse, monkeypatch):
     monkeypatch.setattr(pallas_fwd, "LONG_WALK_STEPS", 1)
     monkeypatch.setattr(pallas_fwd, "FEW_PROGRAMS", 1 << 20)
     monkeypatch.setattr(dispatch, "backward_walks_from_inverse",
-                        lambda dtype, key_dim: from_inverse)
+                        lambda dtype: from_inverse)
     blocks, original = [], pallas_fwd.value_block
 
     def recording(*args, **kwargs):
@@ -470,8 +470,7 @@ def test_dispatch_rules():
     assert dispatch.wy_fwd_runs_kernel(f32, True)
     assert [dispatch.walk_applies_inverse(d, 128) for d in (f32, bf16, f16)] == [False, True, True]
     assert [dispatch.walk_applies_inverse(bf16, k) for k in (16, 64, 65, 256)] == [True] * 4
-    assert [dispatch.backward_walks_from_inverse(d, 128) for d in (f32, bf16, f16)] == [False, True, False]
-    assert [dispatch.backward_walks_from_inverse(bf16, k) for k in (64, 65, 256)] == [False, True, True]
+    assert [dispatch.backward_walks_from_inverse(d) for d in (f32, bf16, f16)] == [False, True, False]
     assert dispatch.wy_bwd_dots(f32) == (jax.lax.Precision.HIGHEST, None)
     assert dispatch.wy_bwd_dots(bf16) == (None, bf16)
     assert dispatch.wy_bwd_dots(f16) == (None, None)

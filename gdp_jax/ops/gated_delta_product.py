@@ -281,7 +281,7 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
 
     Routes (``_src.dispatch``): the undifferentiated forward of 16-bit inputs has the WY kernel
     write T alone and the walk apply it (``walk_applies_inverse``), and so does the
-    differentiable forward of bfloat16 inputs from K = 128 up, whose backward works from T
+    differentiable forward of bfloat16 inputs, whose backward works from T
     (``backward_walks_from_inverse``); compiled float32 inputs run the WY stage in jnp
     (``wy_fwd_runs_kernel``); else the WY kernel writes w and u for the walk.
 
@@ -306,10 +306,10 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     # Kept in the VJP's operand dtype where it has one: it rounds T to that before each dot.
     inverse_dtype = dispatch.wy_bwd_dots(k.dtype)[1] or jnp.float32
     # 16-bit inputs: the WY kernel writes T alone and the walk applies it
-    # (dispatch.walk_applies_inverse); in the differentiable forward for bfloat16 from K = 128 up,
-    # whose VJP keeps the same T, the reverse walk then works from T too
+    # (dispatch.walk_applies_inverse); in the differentiable forward for bfloat16, whose VJP keeps
+    # the same T, the reverse walk then works from T too
     # (dispatch.backward_walks_from_inverse).
-    applies = (dispatch.backward_walks_from_inverse(k.dtype, key_dim) and keep_inverse
+    applies = (dispatch.backward_walks_from_inverse(k.dtype) and keep_inverse
                if every_sub_chunk else dispatch.walk_applies_inverse(k.dtype, key_dim))
     walk_inverse, inverse = {}, []
     if applies:

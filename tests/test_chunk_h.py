@@ -423,7 +423,9 @@ def test_walk_default_block_sizes_table():
     """RESULTS.md, "State walk": on the full op's sub-chunk grid without h at every sub-chunk, one
     sub-chunk a step at two stages for 16-bit dots from K = 128 up; elsewhere two stages for
     16-bit dots where a whole stored chunk's k, w and u fit (chunk_size * subchunks * M rows),
-    one otherwise."""
+    one otherwise; whole token chunks again where few programs narrow the value blocks; 8 warps
+    for the walk applying T with h at every sub-chunk at padded K = 256."""
+    from gdp_jax.ops.chunk_h import pallas_fwd
     from gdp_jax.ops.chunk_h.pallas_fwd import default_block_sizes as walk_sizes
     sizes = lambda *a, **kw: (lambda s: (s.num_stages, s.chunks_per_step))(walk_sizes(*a, **kw))
     bf16 = jnp.bfloat16
@@ -448,6 +450,19 @@ def test_walk_default_block_sizes_table():
     assert sizes(256, 256, 64, 2, 1, bf16, **every_t) == (2, 1)
     assert sizes(64, 64, 64, 2, 1, bf16, **every_t) == (2, None)    # K = 64: whole chunks, as w, u
     assert sizes(128, 128, 64, 2, 1, bf16, applies_inverse=True) == (2, 1)   # the primal walk as before
+    # Few programs on a long walk (narrowed value blocks): whole token chunks where two stages fit.
+    few = dict(applies_inverse=True, walks=16, steps=pallas_fwd.LONG_WALK_STEPS)
+    assert sizes(128, 128, 64, 2, 1, bf16, **few) == (2, None)      # measured: 0.88x (16 columns)
+    assert sizes(128, 128, 64, 2, 1, bf16, every_chunk_too=True, **few) == (2, None)   # 0.79x
+    assert sizes(128, 128, 64, 3, 1, bf16, **few) == (2, None)      # M = 3: 0.72x
+    assert sizes(256, 256, 64, 2, 1, bf16, **few) == (2, 1)         # 32 columns: a whole chunk is too large
+    # 8 warps for the walk applying T with h at every sub-chunk at padded K = 256, 64 columns only.
+    warps = lambda *a, **kw: walk_sizes(*a, **kw).num_warps
+    assert warps(256, 256, 64, 2, 1, bf16, **every_t) == 8          # measured: 0.91x
+    assert warps(200, 128, 64, 2, 1, bf16, **every_t) == 8
+    assert warps(256, 256, 64, 2, 1, bf16, applies_inverse=True) == 4                  # 1.18x at 8
+    assert warps(128, 128, 64, 2, 1, bf16, **every_t) == 4
+    assert warps(256, 256, 64, 2, 1, bf16, every_chunk_too=True, **few) == 4           # not measured narrowed
     # The seed op's walk: a token chunk of M rows a token, no sub-chunk grid.
     assert sizes(128, 128, 64, 1, 2, bf16) == (2, None)             # measured: 0.86x
     assert sizes(128, 128, 64, 1, 1, jnp.float16) == (2, None)      # M = 1: 0.75x

@@ -222,7 +222,7 @@ def test_float32_wy_stage_in_jnp(case, monkeypatch):
     """dispatch.wy_fwd_runs_kernel's jnp route (compiled float32: ``wy_xla`` on the kernel's
     sub-chunk grid, with wy_bwd_xla as its VJP), taken here in the interpreter: o, the final state and every input's
     gradient against the recurrence, and use_qk_l2norm's fused forward (the keys' factors formed
-    in jnp) against the recurrence on normalised q, k."""
+    in jnp) and gradients against the recurrence on normalised q, k."""
     monkeypatch.setattr(dispatch, "wy_fwd_runs_kernel", lambda dtype, interpret: False)
     monkeypatch.setattr(dispatch, "wy_bwd_runs_kernel", lambda dtype, interpret: False)
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
@@ -238,6 +238,10 @@ def test_float32_wy_stage_in_jnp(case, monkeypatch):
     o, final_state = jax.jit(op)(q.q, q.k)
     assert_close(o, q.ref["o"], tolerance(case.dtype), "o (use_qk_l2norm)")
     assert_close(final_state, q.ref["final_state"], tolerance(case.dtype), "final_state (use_qk_l2norm)")
+    # and its gradients through the normalisation's VJP and wy_bwd_xla
+    _check_gradients(q, functools.partial(
+        gdp_jax.chunk_gated_delta_product, output_final_state=True, segment_ids=q.segment_ids,
+        chunk_size=case.chunk_size, use_qk_l2norm=True, implementation="interpret"), True)
 
 
 def test_l2norm_gradients_where_the_forward_is_fused(monkeypatch):

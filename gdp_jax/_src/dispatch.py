@@ -238,8 +238,8 @@ def backward_walks_from_inverse(dtype) -> bool:
     VJP anyway) and both state walks work from it: the forward walk applies T, the reverse walk
     forms w^T dvt as k^T (r (T^T dvt)), and w and u never reach HBM. For bfloat16 inputs, whose
     VJP keeps T in bfloat16, the walks' dot dtype (float16 keeps it in float32 for TF32 dots), at
-    every K. RESULTS.md, "The backward works from T" and "Whole chunks for few-program walks":
-    the op's forward + backward 0.90-0.94x at K = 128 (M 1-3), 0.81x at K = 256, 0.96x at K = 64."""
+    every K. RESULTS.md, "The backward works from T" and "fla re-timed; whole chunks ...": the
+    op's forward + backward 0.90-0.94x at K = 128 (M 1-3), 0.81x at K = 256, 0.96x at K = 64."""
     return jnp.dtype(dtype) == jnp.bfloat16
 
 

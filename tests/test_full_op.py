@@ -342,10 +342,10 @@ def test_gradients_against_recurrence(name, implementation):
     Case(45, 32, 16, 3, 16, dtype="bfloat16", gated=False, initial_state=False),
     Case(40, 16, 32, 1, 32, dtype="bfloat16", segments=False)], ids=lambda c: c.id)
 def test_backward_walks_from_inverse(case, monkeypatch):
-    """dispatch.backward_walks_from_inverse's route, forced at these small K: the differentiable
-    forward's WY kernel writes T alone, the forward walk applies it and the reverse walk forms
-    w^T dvt from it. o and every input's gradient against the recurrence, and the gradients of
-    k, v and beta within bf16 rounding of the w, u route's."""
+    """dispatch.backward_walks_from_inverse's route (bfloat16's, at every K), against the w, u
+    route forced off it: the differentiable forward's WY kernel writes T alone, the forward walk
+    applies it and the reverse walk forms w^T dvt from it. o and every input's gradient against
+    the recurrence, and the gradients of k, v and beta within bf16 rounding of the w, u route's."""
     from gdp_jax.ops.chunk_h import pallas_bwd
     seen, original = [], pallas_bwd.chunk_h_bwd_walk
 

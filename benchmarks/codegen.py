@@ -12,7 +12,7 @@
    ``--case chunk_o`` (default): the chunk_o forward kernel (ops.chunk_o.pallas_fwd) at the
    launch variants in VARIANTS (BlockSizes overrides of its default_block_sizes);
    ``--case chunk_o_bwd``: its backward (ops.chunk_o.pallas_bwd) at BWD_VARIANTS (B=8 T=4096
-   H=16 K=V=128 M=2); ``--case full``: every kernel of jax.grad of the full op
+   H=16 K=V=128 M=2, or ``--shape``); ``--case full``: every kernel of jax.grad of the full op
    (chunk_gated_delta_product, implementation="pallas") at B=8 T=4096 H=16 K=V=128 M=2, launch
    parameters as the op picks them (``--shape``: another shape; ``--stages``: each kernel also
    compiled at those pipeline stage counts, rows NAME@sN);
@@ -231,29 +231,38 @@ def capture_full_op(out_dir, shape=None, l2norm: bool = False):
     return meta
 
 
-BWD_VARIANTS = {   # chunk_o backward at B=8 T=4096 H=16 K=V=128 M=2: BlockSizes overrides
+BWD_VARIANTS = {   # chunk_o backward: BlockSizes overrides of the shape's default
     "bwd_default": {},                                  # split: dh | dq | dk, dv programs
     "bwd_w8": dict(num_warps=8),
     "bwd_s2": dict(num_stages=2),
     "bwd_fused": dict(split=False),                     # one program per chunk
     "bwd_fused_w8": dict(split=False, num_warps=8),
+    "bwd_bk64": dict(block_k=64),                       # narrower key blocks (K = 256: 128 by default)
+    "bwd_bk64_w8": dict(block_k=64, num_warps=8),
 }
 
 
-def capture_chunk_o_bwd(out_dir):
-    """The chunk_o backward kernel at its default launch and the BWD_VARIANTS."""
+def capture_chunk_o_bwd(out_dir, shape=None):
+    """The chunk_o backward kernel at its default launch and the BWD_VARIANTS, at ``shape`` (a
+    common.parse_shapes dict; default B=8 T=4096 H=16 K=V=128 M=2). Variants whose blocks do not
+    tile the shape are skipped."""
     import jax
     import jax.numpy as jnp
 
     from gdp_jax.ops.chunk_o.pallas_bwd import chunk_o_bwd_pallas, default_block_sizes
 
-    B, T, H, K, V, M = 8, 4096, 16, 128, 128, 2
+    shape = shape or dict(B=8, T=4096, H=16, K=128, V=128, M=2)
+    B, T, H, K, V, M = (shape[n] for n in ("B", "T", "H", "K", "V", "M"))
     bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
     args = (sds((B, T, H, K), bf16), sds((B, T * M, H, K), bf16), sds((B, T * M, H, V), bf16),
             sds((B, T // 64, H, K, V), bf16), sds((B, T, H), jnp.float32), sds((B, T, H, V), bf16))
     meta = {}
     for name, overrides in BWD_VARIANTS.items():
         sizes = dataclasses.replace(default_block_sizes(K, V, 64, 2), **overrides)
+        try:
+            sizes.check(K, V)
+        except ValueError:
+            continue
         with _Capture() as cap:
             _lower(lambda q, k, v, h, g, do, sizes=sizes: chunk_o_bwd_pallas(
                 q, k, v, h, g, None, do, scale=K ** -0.5, chunk_size=64, num_householder=M,
@@ -314,7 +323,8 @@ def main(argv=None):
     p.add_argument("--case", default="chunk_o", choices=["chunk_o", "chunk_o_bwd", "full"])
     p.add_argument("--variants", default=",".join(VARIANTS), help="chunk_o variants (--case chunk_o)")
     p.add_argument("--shape", default=None,
-                   help="--case full: 'B=..,T=..,H=..,K=..[,V=..],M=..' (default B=8,T=4096,H=16,K=128,M=2)")
+                   help="--case full / chunk_o_bwd: 'B=..,T=..,H=..,K=..[,V=..],M=..' "
+                        "(default B=8,T=4096,H=16,K=128,M=2)")
     p.add_argument("--l2norm", action="store_true", help="--case full: use_qk_l2norm=True")
     p.add_argument("--stages", default="",
                    help="comma-separated pipeline stage counts to also compile every kernel at "
@@ -322,15 +332,15 @@ def main(argv=None):
                         "overrides without a GPU")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    shape = None
+    if args.shape:
+        from common import parse_shapes
+        (shape,) = parse_shapes(args.shape)
     if args.case == "chunk_o":
         meta = capture_chunk_o([v for v in args.variants.split(",") if v], args.out)
     elif args.case == "chunk_o_bwd":
-        meta = capture_chunk_o_bwd(args.out)
+        meta = capture_chunk_o_bwd(args.out, shape)
     else:
-        shape = None
-        if args.shape:
-            from common import parse_shapes
-            (shape,) = parse_shapes(args.shape)
         meta = capture_full_op(args.out, shape, args.l2norm)
     if args.triton is None:
         with open(os.path.join(args.out, "codegen.json"), "w") as fh:

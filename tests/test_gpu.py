@@ -338,6 +338,7 @@ FULL_OP_CASES = [
     (Case(1000, 128, 128, 2, 64, dtype="float16", heads=4), False),
     (Case(517, 256, 256, 2, 64), False),   # float32 at the widest K, V: the WY forward's IEEE dots spill most there
     (Case(1000, 64, 64, 2, 64, dtype="bfloat16", heads=4), False),     # K = 64: the backward from T
+    (Case(333, 32, 48, 3, 64, dtype="bfloat16", heads=2), False),      # ... and at a small K
     (Case(517, 200, 256, 2, 64, dtype="bfloat16", heads=2), False),    # K = 256 (padded): its walks' 8 warps
     # use_qk_l2norm: the normalisation's custom_vjp and backward kernel (raw q, k of varied norms).
     (Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4), True),

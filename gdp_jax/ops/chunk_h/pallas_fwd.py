@@ -89,11 +89,13 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks
     narrow = None if block_v == min(tile_width(value_dim), 64) else block_v
     second = chunk_size if applies_inverse else tile_width(key_dim)     # T's row or w's
     row_bytes = (tile_width(key_dim) + second + block_v) * itemsize
-    two = chunk_size * subchunks * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES
+    # whether a step of that many chunks (each num_householder rows a position) fits two stages
+    two_stages = lambda chunks: chunk_size * chunks * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES
+    two = two_stages(subchunks)
     if narrow is not None and two:
         return BlockSizes(block_v=narrow, num_stages=2)
     if (subchunks > 1 and (applies_inverse or not every_chunk_too) and tile_width(key_dim) >= 128
-            and chunk_size * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES):
+            and two_stages(1)):
         warps = 8 if every_chunk_too and narrow is None and tile_width(key_dim) >= 256 else 4
         return BlockSizes(block_v=narrow, num_warps=warps, num_stages=2, chunks_per_step=1)
     return BlockSizes(block_v=narrow, num_stages=2 if two else 1)

@@ -237,8 +237,9 @@ BWD_VARIANTS = {   # chunk_o backward: BlockSizes overrides of the shape's defau
     "bwd_s2": dict(num_stages=2),
     "bwd_fused": dict(split=False),                     # one program per chunk
     "bwd_fused_w8": dict(split=False, num_warps=8),
-    "bwd_bk64": dict(block_k=64),                       # narrower key blocks (K = 256: 128 by default)
+    "bwd_bk64": dict(block_k=64),                       # narrower key blocks (K = 128)
     "bwd_bk64_w8": dict(block_k=64, num_warps=8),
+    "bwd_bk128": dict(block_k=128),                     # wider key blocks (K = 256: 64 by default)
 }
 
 

@@ -206,7 +206,8 @@ class ChunkOBwd(ChunkOFwd):
 
     def default(self, shape, p):
         from gdp_jax.ops.chunk_o import pallas_bwd
-        return pallas_bwd.default_block_sizes(shape["K"], shape["V"], p.chunk_size, p.q.dtype.itemsize)
+        return pallas_bwd.default_block_sizes(shape["K"], shape["V"], p.chunk_size, p.q.dtype.itemsize,
+                                              gated=p.g is not None)
 
     def call(self, sizes, options, shape, p, interpret):
         from gdp_jax.ops.chunk_o.pallas_bwd import chunk_o_bwd_pallas
@@ -218,6 +219,8 @@ class ChunkOBwd(ChunkOFwd):
         out = [dict(split=split, num_warps=warps, num_stages=stages)
                for split in (True, False) for warps in (4, 8) for stages in (1, 2, 3)]
         out += [dict(block_v=64), dict(block_k=64), dict(block_k=64, block_v=64)]
+        if shape["K"] > 128:                        # gated K = 256's default keys are 64 wide
+            out.append(dict(block_k=128))
         return out
 
 

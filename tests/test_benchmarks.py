@@ -545,10 +545,10 @@ def test_codegen_captures_the_triton_ir(tmp_path, capsys):
         assert "tt.func" in (tmp_path / f"{name}.ttir").read_text()
     bwd = codegen.main(["--out", str(tmp_path / "bwd"), "--case", "chunk_o_bwd"])
     assert {"bwd_default", "bwd_fused", "bwd_bk64"} <= set(bwd) and bwd["bwd_w8"]["num_warps"] == 8
-    # --shape: K = 256's default has 128-wide key blocks; variants that do not tile K = 32 are skipped
+    # --shape: K = 256's default has 64-wide key blocks; variants that do not tile K = 32 are skipped
     wide = codegen.main(["--out", str(tmp_path / "bwd256"), "--case", "chunk_o_bwd",
                          "--shape", "B=1,T=128,H=1,K=256,M=2"])
-    assert "block_k=128" in wide["bwd_default"]["config"] and "block_k=64" in wide["bwd_bk64"]["config"]
+    assert "block_k=64" in wide["bwd_default"]["config"] and "block_k=128" in wide["bwd_bk128"]["config"]
     narrow = codegen.main(["--out", str(tmp_path / "bwd32"), "--case", "chunk_o_bwd",
                            "--shape", "B=1,T=128,H=1,K=32,M=1"])
     assert "bwd_default" in narrow and "bwd_bk64" not in narrow

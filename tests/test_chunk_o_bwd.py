@@ -259,7 +259,9 @@ def test_default_block_sizes_table():
     assert table(128, 128, 64, 2) == (128, 128, 4, 1, True)    # 16-bit, chunk <= 64: split
     assert table(128, 128, 32, 2) == (128, 128, 4, 1, True)
     assert table(64, 64, 32, 2) == (64, 64, 4, 1, True)        # "small" is chunk 64 only
-    assert table(256, 256, 64, 2) == (128, 64, 4, 1, True)     # 64 values when K = 256
+    assert table(256, 256, 64, 2) == (64, 64, 4, 1, True)      # K = 256: 64 keys, 64 values
+    assert table(256, 256, 64, 2, False) == (128, 64, 4, 1, True)   # 64-wide keys gated only
+    assert table(256, 256, 32, 2) == (128, 64, 4, 1, True)     # 64-wide keys at chunk 64 only
     assert table(128, 128, 64, 4) == (128, 128, 8, 1, False)   # float32: fused, 8 warps
     assert table(128, 128, 16, 4) == (128, 128, 4, 1, False)
     assert table(256, 256, 128, 4) == (64, 64, 8, 1, False)    # float32 at chunk 128: 64 x 64

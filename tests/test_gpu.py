@@ -202,6 +202,7 @@ def check_chunk_o_bwd(case, split=None, g=None):
     (Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4), True),       # the default there
     (Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4), False),
     (Case(1000, 256, 256, 2, 64, gated=False, segments=False, dtype="bfloat16", heads=4), None),
+    (Case(1000, 256, 256, 3, 64, dtype="bfloat16", heads=2), None),     # 64-wide key blocks
     (Case(1000, 64, 64, 1, 64, segments=False, dtype="bfloat16", heads=4), None),   # fused
     (Case(1000, 128, 128, 2, 64, dtype="float32", heads=4), None),        # fused, 8 warps
     (Case(1000, 128, 128, 3, 64, gated=False, segments=False, dtype="float32", heads=4), True),

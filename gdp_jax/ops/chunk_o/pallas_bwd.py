@@ -114,14 +114,15 @@ class BlockSizes:
 
 
 def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int,
-                        itemsize: int = 2) -> BlockSizes:
-    """The launch table for padded (power-of-two) K and V and inputs of ``itemsize`` bytes; M only
-    changes a loop count. RESULTS.md, "chunk_o backward launch table":
+                        itemsize: int = 2, gated: bool = True) -> BlockSizes:
+    """The launch table for padded (power-of-two) K and V, inputs of ``itemsize`` bytes and g given
+    (``gated``) or None; M only changes a loop count. RESULTS.md, "chunk_o backward launch table":
 
     | shape class | choice | why |
     |---|---|---|
     | 16-bit, chunk 64, K, V <= 64 | fused, 4 warps | the split launch was slower there |
     | 16-bit, chunk <= 64, otherwise | split, 4 warps | the fused program spills; lighter programs run two per SM |
+    | the same at chunk 64, K = 256, gated | 64-wide key blocks | 0.94x the 128-wide ones (ungated 1.22x: not there) |
     | float32 or chunk 128 | fused, 8 warps at chunk >= 64 | not timed; 4 warps quadruple the spills offline |
 
     Blocks: at most 128 columns (64 values when K = 256; 64 of each for float32 at chunk 128), from
@@ -132,6 +133,8 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int,
         block_k, block_v = min(key_dim, 64), min(value_dim, 64)
     if itemsize == 2 and chunk_size <= 64:
         small = key_dim <= 64 and value_dim <= 64 and chunk_size == 64
+        if key_dim > 128 and chunk_size == 64 and gated:
+            block_k = 64
         return BlockSizes(block_k, block_v, num_warps=4, split=not small)
     return BlockSizes(block_k, block_v, num_warps=8 if chunk_size >= 64 else 4)
 
@@ -340,7 +343,7 @@ def chunk_o_bwd_pallas(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
         raise ValueError(f"do must have shape {(batch, tokens, heads, value_dim)}; got {do.shape}")
     do = do.astype(v.dtype)
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size,
-                                               jnp.dtype(q.dtype).itemsize)
+                                               jnp.dtype(q.dtype).itemsize, gated=g is not None)
     sizes.check(key_dim, value_dim)
     start_rows = None if runs is None else segment_start_rows(runs, chunk_size)
 

@@ -361,6 +361,35 @@ def test_walk_bwd_subchunks():
                            subchunks=2, **kw)
 
 
+def test_walk_bwd_without_key_gate_terms():
+    """key_gate_terms=False leaves out of dg exactly the terms a caller forms from dk:
+    z_t = ln2 sum over t's copies of k·dk, -z_t at t and the chunk's sum at its last token
+    (T ragged: the padded last token's share lands on token T-1, as the edge padding does)."""
+    case = Case(77, 32, 16, 2, 16)
+    primals, cotangents = walk_inputs(case)
+    k, w, u, g, runs, state0 = primals
+    kw = dict(chunk_size=16, num_householder=2, with_initial_state=True, interpret=True)
+    h, v_new, _ = jax.jit(functools.partial(chunk_h_pallas, chunk_size=16, num_householder=2,
+                                            interpret=True))(k, w, u, g, runs, state0)
+    bwd = lambda **extra: jax.jit(functools.partial(chunk_h_bwd_pallas, **kw, **extra))(
+        k, w, g, runs, h, v_new, *cotangents)
+    full, partial = bwd(), bwd(key_gate_terms=False)
+    chex.assert_trees_all_equal(partial[:3] + partial[4:], full[:3] + full[4:])
+    dk = np.asarray(full[0], np.float64)
+    batch, positions, heads, _ = dk.shape
+    z = np.log(2.0) * np.sum(np.asarray(k, np.float64) * dk, axis=-1)
+    z = z.reshape(batch, positions // 2, 2, heads).sum(axis=2)                 # [B, T, H]
+    tokens = z.shape[1]
+    chunks = -(-tokens // 16)
+    z = np.pad(z, ((0, 0), (0, chunks * 16 - tokens), (0, 0))).reshape(batch, chunks, 16, heads)
+    terms = -z
+    terms[:, :, -1] += z.sum(axis=2)
+    terms = terms.reshape(batch, chunks * 16, heads)
+    terms[:, tokens - 1] += terms[:, tokens:].sum(axis=1)
+    assert not np.allclose(partial[3], full[3])
+    assert_close(np.asarray(partial[3]) + terms[:, :tokens], full[3], tolerance("float32"), "dg")
+
+
 @pytest.mark.parametrize("dtype,dot_dtype", [("bfloat16", jnp.bfloat16), ("float16", jnp.float32)],
                          ids=["bf16-bf16-dots", "f16-f32-dots"])
 def test_walk_bwd_16_bit(dtype, dot_dtype):

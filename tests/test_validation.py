@@ -245,6 +245,8 @@ def test_wy_and_walk_kernels_refuse_bad_shapes():
         bwd(k, v, beta, None, None, inverse[..., :16], k, v)
     with pytest.raises(ValueError, match="dk_accumulate must match"):
         bwd(k, v, beta, None, None, inverse, k, v, dk_accumulate=(k, k[:, :64]))
+    with pytest.raises(ValueError, match="walk_share_gates needs"):
+        bwd(k, v, beta, None, None, inverse, k, v, walk_share_gates=True)
     # The reverse walk's blocks must tile the padded K and V.
     w, dv = jnp.zeros((1, 64, 1, 32)), jnp.zeros((1, 64, 1, 32))
     h = jnp.zeros((1, 2, 1, 32, 32))

@@ -348,6 +348,31 @@ def test_wy_bwd_dk_accumulate_and_out_dtype():
     assert_close(got[3], want["dgamma"], tolerance("float32"), "dgamma")
 
 
+def test_wy_bwd_walk_share_gates():
+    """walk_share_gates: the first dk_accumulate share's gate terms, ln2 (-k_j·dk_j at j, their
+    sum over the sub-chunk at its last position), are added to dgamma and nothing else changes;
+    without gates there are none."""
+    sub_chunk = 32
+    primals, cotangents = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=3, key_dim=32,
+                                      value_dim=64, gated=True, segments=True, dtype="float32")
+    share = jax.random.normal(jax.random.PRNGKey(5), primals[0].shape, jnp.float32)
+    other = jax.random.normal(jax.random.PRNGKey(6), primals[0].shape, jnp.float32)
+    call = lambda primals, **kw: _bwd_pallas(primals, cotangents, sub_chunk,
+                                             dk_accumulate=(share, other), **kw)
+    base, got = call(primals), call(primals, walk_share_gates=True)
+    k = np.asarray(primals[0], np.float64)
+    z = np.log(2.0) * np.sum(k * np.asarray(share, np.float64), axis=-1)     # [B, P, H]
+    batch, positions, heads = z.shape
+    z = z.reshape(batch, positions // sub_chunk, sub_chunk, heads)
+    terms = -z
+    terms[:, :, -1] += z.sum(axis=2)
+    assert_close(got[3], np.asarray(base[3]) + terms.reshape(batch, positions, heads),
+                 tolerance("float32"), "dgamma")
+    chex.assert_trees_all_equal(got[:3], base[:3])
+    ungated = primals[:3] + (None,) + primals[4:]
+    chex.assert_trees_all_equal(call(ungated, walk_share_gates=True), call(ungated))
+
+
 @pytest.mark.parametrize("per_program,dtype", [(2, "bfloat16"), (3, "float32")])
 def test_wy_pallas_sub_chunks_per_program(per_program, dtype):
     """A loop over several sub-chunks per program computes exactly what one program per sub-chunk

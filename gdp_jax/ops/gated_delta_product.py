@@ -376,7 +376,8 @@ def _states_bwd(config, residuals, cotangents):
     3. the VJP of the expanded decays (gamma <- g, a cumsum) in jnp.
     The output stage's share of dk (the cotangent of the k passed through) and the walk's are
     added to dk inside the WY VJP kernel, which also rounds dk and dv to the inputs' dtype, so
-    neither the sum nor the casts costs a pass over HBM.
+    neither the sum nor the casts costs a pass over HBM. That kernel also forms the gate terms of
+    the walk's share (ln2 k_j·dk_j), which the epilogue would otherwise read k for.
     """
     k, v, beta, g, runs, initial_state, (w, inverse, h_sub, v_new_p) = residuals
     chunk_size, m, interpret = config
@@ -393,18 +394,22 @@ def _states_bwd(config, residuals, cotangents):
     # w None: the forward kept T alone (dispatch.backward_walks_from_inverse), which the reverse
     # walk works from; dw and du then come as T^T dw and T^T du, which the WY VJP takes as such.
     from_inverse = {} if w is not None else dict(inverse=inverse, beta=beta_p)
+    # The WY VJP kernel, where it runs, forms the gate terms of the walk's dk share (k_j·dk_j)
+    # from the k and dk tiles it loads anyway; the epilogue would read k for them alone.
+    wy_kernel = inverse is not None
     dk_walk, dw, du, dgamma_walk, dh0 = chunk_h_bwd_pallas(
         k_p, w, gamma, runs_p, h_sub, v_new_p, pad_state(dh, kp, vp), pad_positions(dv_new, width=vp),
         pad_state(dfinal, kp, vp), chunk_size=sub, num_householder=1,
         with_initial_state=initial_state is not None, subchunks=chunk_size * m // sub,
-        dot_dtype=dispatch.walk_bwd_dot_dtype(k.dtype), interpret=interpret, **from_inverse)
-    if inverse is not None:
+        dot_dtype=dispatch.walk_bwd_dot_dtype(k.dtype), key_gate_terms=not wy_kernel,
+        interpret=interpret, **from_inverse)
+    if wy_kernel:
         precision, operand_dtype = dispatch.wy_bwd_dots(k.dtype)
         wy_grads = wy_bwd_pallas(k_p, v_p, beta_p, gamma, runs_p, inverse, dw, du, sub_chunk=sub,
                                  precision=precision, operand_dtype=operand_dtype,
                                  dk_accumulate=(dk_walk, pad_positions(dk_through, width=kp)),
                                  out_dtype=k.dtype, rhs_cotangents=bool(from_inverse),
-                                 interpret=interpret)
+                                 walk_share_gates=True, interpret=interpret)
         dk_p = wy_grads[0]
     else:
         wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)

@@ -307,10 +307,12 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
 
 def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_ref,
                      dk_ref, dw_ref, dgamma_ref, *, num_householder: int, chunk_size: int,
-                     block_k: int, block_v: int, dot_dtype):
+                     block_k: int, block_v: int, dot_dtype, key_gate_terms: bool):
     """One program per (head, chunk, batch row): dw, dk and dgamma of chunk c from the walk's dvt
-    and dS_c and the forward's h[c] and v_new (see the module docstring)."""
+    and dS_c and the forward's h[c] and v_new (see the module docstring). Without
+    ``key_gate_terms`` dgamma holds y_c alone (at the last position) and k is not read."""
     has_g, has_segments = g_ref is not None, runs_ref is not None
+    key_terms = has_g and key_gate_terms
     f32 = jnp.float32
     key_dim, value_dim = h_ref.shape
     key_blocks = [pl.ds(s, block_k) for s in range(0, key_dim, block_k)]
@@ -339,7 +341,8 @@ def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_r
                     hds += jnp.where(m == 0, h.astype(f32) * ds.astype(f32), 0.0)   # summed once
             dw_ref[:, m, kb] = dw.astype(dw_ref.dtype)
             dk_ref[:, m, kb] = (coeff[:, None] * dkd).astype(dk_ref.dtype)
-            z += jnp.sum(k_ref[:, m, kb].astype(f32) * dkd, axis=1)
+            if key_terms:
+                z += jnp.sum(k_ref[:, m, kb].astype(f32) * dkd, axis=1)
         return z_sum + LN2 * coeff * z, hds                               # z_j, summed over copies
 
     z_sum = jnp.zeros((chunk_size,), f32)
@@ -357,8 +360,8 @@ def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_r
 def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_size: int,
                        num_householder: int, with_initial_state: bool, subchunks: int = 1,
                        dot_dtype=jnp.float32, inverse: Optional[jax.Array] = None,
-                       beta: Optional[jax.Array] = None, interpret: bool = False,
-                       block_sizes: Optional[BlockSizes] = None):
+                       beta: Optional[jax.Array] = None, key_gate_terms: bool = True,
+                       interpret: bool = False, block_sizes: Optional[BlockSizes] = None):
     """(dk, dw, du, dg, dinitial_state): the VJP of ``chunk_h.xla.chunk_h_xla``. dg and
     dinitial_state are float32; dk, dw and du come in ``dot_dtype``.
 
@@ -378,6 +381,11 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     stage's T (``chunk_h_bwd_walk``), and dw, du come pulled back through T, T^T dw and T^T du:
     the cotangents of w's and u's right-hand sides (w = T Rw, u = T Ru), which the WY VJP then
     takes as they are (``wy_bwd_pallas``'s ``rhs_cotangents``).
+    ``key_gate_terms=False``: dg leaves out the terms through the keys' weights a_j, for a caller
+    that forms them from dk itself: z_j = ln2 k_j·dk_j (summed over a token's copies), -z_j at
+    each token and sum_j z_j at the chunk's last (padded) token. ``wy_bwd_pallas(
+    walk_share_gates=True)`` does, from tiles it loads anyway, where the epilogue would read k
+    only for them.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v_new.shape[-1]
@@ -415,7 +423,8 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
                  None if g is None else jax.ShapeDtypeStruct((batch, t_pad, heads), f32))
     out_specs = (key_stream, key_stream, None if g is None else per_token)
     kernel = functools.partial(_epilogue_kernel, num_householder=m, chunk_size=chunk_size,
-                               block_k=block_k, block_v=block_v, dot_dtype=dvt.dtype)
+                               block_k=block_k, block_v=block_v, dot_dtype=dvt.dtype,
+                               key_gate_terms=key_gate_terms)
     dk, dw, dgamma = triton_call(
         kernel, *operands, name="gdp_chunk_h_bwd_epilogue", grid=(heads, num_chunks, batch),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

@@ -81,7 +81,8 @@ class BlockSizes:
 
 def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_ref, du_ref,
                    dk_in_refs, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *, sub_chunk: int,
-                   block_cols: int, precision, operand_dtype, rhs_cotangents: bool):
+                   block_cols: int, precision, operand_dtype, rhs_cotangents: bool,
+                   walk_share_gates: bool):
     f32 = jnp.float32
     has_g, has_segments = gamma_ref is not None, runs_ref is not None
     if operand_dtype is None:
@@ -136,29 +137,41 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
     m_t = dot(m, t_inv, trans_b=True)
     f = -(m_t if rhs_cotangents else dot(t_inv, m_t, trans_a=True)) * decay
 
-    # 4. Key columns: dRw = T^T dw, P1 = F K, P2 = F^T (beta K); dk = scale_w dRw + beta P1 + P2.
+    # 4. Key columns: dRw = T^T dw, P1 = F K, P2 = F^T (beta K); dk = scale_w dRw + beta P1 + P2
+    # (+ the other shares); with walk_share_gates also k·(the first share).
+    gates_of_share = walk_share_gates and has_g
+
     def key_block(cols, sums):
-        k_dot_drw, k_dot_p1, k_dot_p2 = sums
+        k_dot_drw, k_dot_p1, k_dot_p2, *k_dot_share = sums
         keys, cot = k_ref[:, cols].astype(f32), dw_ref[:, cols].astype(f32)
         d_rhs = cot if rhs_cotangents else dot(t_inv, cot, trans_a=True)   # dRw = T^T dw
         p1 = dot(f, keys)
         p2 = dot(f, keys * beta[:, None], trans_a=True)
         dk = scale_w[:, None] * d_rhs + beta[:, None] * p1 + p2
-        for dk_in_ref in dk_in_refs:
-            dk += dk_in_ref[:, cols].astype(f32)
+        for i, dk_in_ref in enumerate(dk_in_refs):
+            share = dk_in_ref[:, cols].astype(f32)
+            dk += share
+            if i == 0 and gates_of_share:
+                k_dot_share = [k_dot_share[0] + jnp.sum(keys * share, axis=1)]
         dk_ref[:, cols] = dk.astype(dk_ref.dtype)
         return (k_dot_drw + jnp.sum(keys * d_rhs, axis=1), k_dot_p1 + jnp.sum(keys * p1, axis=1),
-                k_dot_p2 + jnp.sum(keys * p2, axis=1))
+                k_dot_p2 + jnp.sum(keys * p2, axis=1), *k_dot_share)
 
-    k_dot_drw, k_dot_p1, k_dot_p2 = column_loop(k_ref, key_block, (zeros, zeros, zeros))
+    k_dot_drw, k_dot_p1, k_dot_p2, *k_dot_share = column_loop(
+        k_ref, key_block, (zeros,) * (4 if gates_of_share else 3))
     dbeta_ref[...] = k_dot_p1 + v_dot_dru + live_decay * k_dot_drw
     if has_g:
-        dgamma_ref[...] = LN2 * (beta * k_dot_p1 - k_dot_p2 + scale_w * k_dot_drw)
+        dgamma = beta * k_dot_p1 - k_dot_p2 + scale_w * k_dot_drw
+        if gates_of_share:   # the walk's share: -k_j·dk_j, and their sum at the last position
+            is_last = jax.lax.broadcasted_iota(jnp.int32, (sub_chunk,), 0) == sub_chunk - 1
+            dgamma += jnp.where(is_last, jnp.sum(k_dot_share[0]), 0.0) - k_dot_share[0]
+        dgamma_ref[...] = LN2 * dgamma
 
 
 def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, precision=HIGHEST,
                   operand_dtype=None, dk_accumulate: Sequence[jax.Array] = (),
-                  out_dtype=jnp.float32, rhs_cotangents: bool = False, interpret: bool = False,
+                  out_dtype=jnp.float32, rhs_cotangents: bool = False,
+                  walk_share_gates: bool = False, interpret: bool = False,
                   block_sizes: Optional[BlockSizes] = None):
     """(dk [B, P, H, K], dv [B, P, H, V], dbeta [B, P, H], dgamma [B, P, H] or None): the VJP of
     wy_pallas's (w, u) in (k, v, beta, gamma), given cotangents dw, du. dk and dv come in
@@ -177,6 +190,11 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
     sides Rw and Ru (the reverse walk that works from T makes them): dA = -mask ∘ ((dRw Rw^T +
     dRu Ru^T) T^T), and five of the fourteen S x S x 64 dots a program at K = V = 128 (T^T du and
     T^T dw over two column blocks each, the outer T^T) are not needed.
+    ``walk_share_gates``: the first of ``dk_accumulate`` is the reverse walk's share of dk, whose
+    keys enter the carried state weighted by a_j = 2^(gamma_last - gamma_j) (gamma_last: the
+    sub-chunk's last position), dk_j = a_j dkd_j; its gate terms, -ln2 k_j·dk_j at j and their
+    sum at the last position, are then added to dgamma here, from tiles this kernel loads anyway
+    (``chunk_h_bwd_pallas(key_gate_terms=False)`` leaves them out).
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
@@ -194,6 +212,9 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
         if extra.shape != k.shape:
             raise ValueError(f"wy_bwd_pallas: dk_accumulate must match k's shape {k.shape}; "
                              f"got {extra.shape}")
+    if walk_share_gates and not dk_accumulate:
+        raise ValueError("wy_bwd_pallas: walk_share_gates needs the walk's share of dk as "
+                         "dk_accumulate[0]; got no dk_accumulate")
     if inverse.shape != (batch, positions, heads, sub_chunk):
         raise ValueError(f"wy_bwd_pallas: inverse must be [B, P, H, S] = "
                          f"{(batch, positions, heads, sub_chunk)}; got {inverse.shape}")
@@ -218,7 +239,7 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
     kernel = functools.partial(
         _wy_bwd_kernel, sub_chunk=sub_chunk, block_cols=sizes.block_cols, precision=precision,
         operand_dtype=None if operand_dtype is None else jnp.dtype(operand_dtype),
-        rhs_cotangents=rhs_cotangents)
+        rhs_cotangents=rhs_cotangents, walk_share_gates=walk_share_gates)
     return triton_call(kernel, *operands, name="gdp_wy_bwd", grid=(heads, positions // sub_chunk, batch),
                        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                        num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)

@@ -178,7 +178,7 @@ def test_chunk_o_long_row_past_32_bit_indexing():
 
 def _bwd_sizes(case, split):
     base = pallas_bwd.default_block_sizes(case.key_dim, case.value_dim, case.chunk_size,
-                                          case.jnp_dtype.itemsize)
+                                          case.jnp_dtype.itemsize, gated=case.gated)
     return base if split is None else dataclasses.replace(base, split=split)
 
 

@@ -193,10 +193,11 @@ def capture_chunk_o(names, out_dir):
     return meta
 
 
-def capture_full_op(out_dir, shape=None, l2norm: bool = False):
+def capture_full_op(out_dir, shape=None, l2norm: bool = False, gated: bool = True):
     """Every kernel of the full op's forward and backward (bf16; ``shape`` a dict with B, T, H, K,
-    V, M, default B=8 T=4096 H=16 K=V=128 M=2; ``l2norm``: use_qk_l2norm), and as NAME@primal
-    those the undifferentiated forward launches with another program (its own launch rules)."""
+    V, M, default B=8 T=4096 H=16 K=V=128 M=2; ``l2norm``: use_qk_l2norm; ``gated``: g given, else
+    None), and as NAME@primal those the undifferentiated forward launches with another program
+    (its own launch rules)."""
     import jax
     import jax.numpy as jnp
 
@@ -209,6 +210,7 @@ def capture_full_op(out_dir, shape=None, l2norm: bool = False):
             sds((B, T, H), jnp.float32), sds((B, T * M, H), bf16))
 
     def loss(q, k, v, g, beta):
+        g = g if gated else None
         o, _ = gdp_jax.chunk_gated_delta_product(q, k, v, g, beta, num_householder=M,
                                                  use_qk_l2norm=l2norm, implementation="pallas")
         return o.astype(jnp.float32).sum()
@@ -327,6 +329,7 @@ def main(argv=None):
                    help="--case full / chunk_o_bwd: 'B=..,T=..,H=..,K=..[,V=..],M=..' "
                         "(default B=8,T=4096,H=16,K=128,M=2)")
     p.add_argument("--l2norm", action="store_true", help="--case full: use_qk_l2norm=True")
+    p.add_argument("--no-g", action="store_true", help="--case full: g None (the ungated op)")
     p.add_argument("--stages", default="",
                    help="comma-separated pipeline stage counts to also compile every kernel at "
                         "(rows NAME@sN; with --triton): shared memory and registers of 'num_stages' "
@@ -342,7 +345,7 @@ def main(argv=None):
     elif args.case == "chunk_o_bwd":
         meta = capture_chunk_o_bwd(args.out, shape)
     else:
-        meta = capture_full_op(args.out, shape, args.l2norm)
+        meta = capture_full_op(args.out, shape, args.l2norm, gated=not args.no_g)
     if args.triton is None:
         with open(os.path.join(args.out, "codegen.json"), "w") as fh:
             json.dump(meta, fh, indent=1)

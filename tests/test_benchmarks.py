@@ -562,6 +562,12 @@ def test_codegen_full_op_has_the_primal_forwards_own_kernels(tmp_path):
                                    "--shape", "B=1,T=256,H=1,K=128,M=2"])
     assert {"gdp_wy_fwd", "gdp_chunk_h_fwd", "gdp_chunk_h_bwd", "gdp_chunk_h_fwd@primal"} <= set(meta)
     assert "tt.func" in (tmp_path / "gdp_chunk_h_fwd@primal.ttir").read_text()
+    # --no-g: the ungated op's kernels, whose walks take no decays
+    script("codegen").main(["--out", str(tmp_path / "ungated"), "--case", "full", "--no-g",
+                            "--shape", "B=1,T=256,H=1,K=128,M=2"])
+    gated_walk = (tmp_path / "gdp_chunk_h_bwd.ttir").read_text()
+    ungated_walk = (tmp_path / "ungated" / "gdp_chunk_h_bwd.ttir").read_text()
+    assert "exp2" in gated_walk and "exp2" not in ungated_walk
 
 
 # ---------------------------------------------------------------------------- bench_sharding.py

@@ -59,11 +59,10 @@ copy gets its own load/store sites whose address tensors the compiler hoists out
 and keeps live (more registers, spills). Dots take ``dot_dtype`` operands with float32
 accumulation: float32 (TF32 on the GPU) by default, bfloat16 in the op for bfloat16 inputs
 (``_src.dispatch.walk_bwd_dot_dtype``); dvt, dS and dw then pass through HBM in 16 bits too.
-Reset flags and chunk-end values come from reductions over the chunk's vectors, not scalar
-loads: runs never decrease along T,
-so run_first = min(run), run_last = max(run), and the reset between chunk c-1 and c is applied one
-iteration later (when chunk c-1's runs are loaded), comparing with chunk c's run_first carried in
-the loop. gamma_last is a masked sum of the chunk's gamma vector. Rows, K and V are padded like the
+Chunk-end values are scalar loads (run_first, run_last and gamma_last), not reductions over the
+chunk's vectors, which would put a cross-warp exchange on the walk's serial path every step. The
+reset between chunk c-1 and c is applied one iteration later (when chunk c-1's runs are loaded),
+comparing with chunk c's run_first carried in the loop. Rows, K and V are padded like the
 forward kernel (zero k, w, dv_new, dh, dfinal; edge-padded g and runs), which changes nothing.
 """
 from __future__ import annotations
@@ -129,17 +128,16 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_
     return BlockSizes(block_k=block_k, block_v=block_v, num_warps=warps, num_stages=stages)
 
 
-def _decay_coefficients(g, segment, is_last):
+def _decay_coefficients(g, g_last, segment, chunk_size: int):
     """(a [BT], d) of one chunk for both backward kernels: a_j = [run_j == run_last]
     2^(g_last - g_j) weighs position j's key in the carried state, d = [run_first == run_last]
-    2^g_last the state carried in. g [BT] chunk-local log2 decays or None; segment (run [BT],
-    run_first, run_last) or None; is_last [BT] marks the chunk's last position."""
+    2^g_last the state carried in. g [BT] chunk-local log2 decays and g_last its last (padded)
+    position's, or None; segment (run [BT], run_first, run_last) or None."""
     if g is not None:
-        g_last = jnp.sum(jnp.where(is_last, g, 0.0))
         coeff = jnp.exp2(g_last - g)
         carry_in = jnp.exp2(g_last)
     else:
-        coeff = jnp.ones(is_last.shape, jnp.float32)
+        coeff = jnp.ones((chunk_size,), jnp.float32)
         carry_in = jnp.float32(1.0)
     if segment is not None:
         run, run_first, run_last = segment
@@ -157,14 +155,15 @@ def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_re
     has_g, has_segments = g_ref is not None, runs_ref is not None
     key_dim = dstate_ref.shape[-2]
     key_blocks = [pl.ds(start, block_k) for start in range(0, key_dim, block_k)]
-    is_last = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
 
     def one_chunk(c, carry, dh_index):
         ds, run_first_next = carry           # dS_in of chunk c+1 (unmasked) and its run_first
-        rows = pl.ds(c * chunk_size, chunk_size)
+        first = c * chunk_size
+        last = first + chunk_size - 1                                # padding repeats the last token
+        rows = pl.ds(first, chunk_size)
         if has_segments:
             run = runs_ref[rows]                                     # [BT] run numbers
-            run_first, run_last = jnp.min(run), jnp.max(run)         # runs never decrease
+            run_first, run_last = runs_ref[first], runs_ref[last]
             reset_next = (c < num_chunks - 1) & (run_first_next != run_last)   # c+1 started one
             ds = tuple(jnp.where(reset_next, 0.0, x) for x in ds)    # -> dS_c
         else:
@@ -174,7 +173,8 @@ def _chunk_h_bwd_kernel(k_ref, w_ref, dv_ref, dh_ref, dfinal_ref, g_ref, runs_re
             dstate_ref[c, kb, :] = x.astype(dstate_ref.dtype)
         coeff, carry_in = _decay_coefficients(
             g_ref[rows] if has_g else None,                         # [BT] chunk-local log2 decays
-            (run, run_first, run_last) if has_segments else None, is_last)
+            g_ref[last] if has_g else None,
+            (run, run_first, run_last) if has_segments else None, chunk_size)
         if beta_ref is not None:            # w's row weights r: beta live 2^gamma
             row_w = beta_ref[rows].astype(jnp.float32)
             if has_g:
@@ -321,9 +321,9 @@ def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_r
     g = g_ref[...] if has_g else None
     segment = None
     if has_segments:
-        run = runs_ref[...]
-        segment = (run, jnp.min(run), jnp.max(run))                       # runs never decrease
-    coeff, carry_in = _decay_coefficients(g, segment, is_last)
+        segment = (runs_ref[...], runs_ref[0], runs_ref[chunk_size - 1])
+    coeff, carry_in = _decay_coefficients(g, g_ref[chunk_size - 1] if has_g else None, segment,
+                                          chunk_size)
 
     def one_copy(m, carry):
         z_sum, hds = carry

@@ -343,7 +343,9 @@ def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_r
             dk_ref[:, m, kb] = (coeff[:, None] * dkd).astype(dk_ref.dtype)
             if key_terms:
                 z += jnp.sum(k_ref[:, m, kb].astype(f32) * dkd, axis=1)
-        return z_sum + LN2 * coeff * z, hds                               # z_j, summed over copies
+        if key_terms:
+            z_sum = z_sum + LN2 * coeff * z                               # z_j, summed over copies
+        return z_sum, hds
 
     z_sum = jnp.zeros((chunk_size,), f32)
     hds = jnp.zeros((block_k, block_v), f32)
@@ -354,7 +356,10 @@ def _epilogue_kernel(k_ref, v_new_ref, dvt_ref, h_ref, dstate_ref, g_ref, runs_r
     if has_g:
         frobenius = jnp.sum(hds)                                          # <h[c], dS_c>
         y = LN2 * carry_in * frobenius
-        dgamma_ref[...] = -z_sum + jnp.where(is_last, jnp.sum(z_sum) + y, 0.0)
+        if key_terms:
+            dgamma_ref[...] = -z_sum + jnp.where(is_last, jnp.sum(z_sum) + y, 0.0)
+        else:                                                             # z is the WY VJP's
+            dgamma_ref[...] = jnp.where(is_last, y, 0.0)
 
 
 def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_size: int,

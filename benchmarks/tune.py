@@ -429,6 +429,7 @@ class WalkBwd(Wy):
         grid = self.grid[0]
         return pallas_bwd.default_block_sizes(tile_width(shape["K"]), tile_width(shape["V"]), grid["sub"],
                                               grid["sub"] * grid["subchunks"], self._dot({}),
+                                              applies_inverse=self.from_inverse,
                                               **walk_count(shape, grid))
 
     def call(self, sizes, options, shape, p, interpret):

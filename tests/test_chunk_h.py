@@ -423,6 +423,31 @@ def test_walk_bwd_default_block_sizes_table():
     assert stages(64, 64, 64, 64 * 3, jnp.bfloat16) == 1         # a larger step than measured
     assert stages(128, 128, 64, 64 * 1, jnp.float32) == 1        # float32 dots: one stage
     assert stages(256, 256, 64, 64 * 1, jnp.bfloat16) == 1
+    # from T, a step's rows carry T's chunk_size columns in w's place: K = 256, M = 1 measured 1.03x
+    assert default_block_sizes(256, 256, 64, 64, jnp.bfloat16, applies_inverse=True).num_stages == 1
+    assert default_block_sizes(128, 128, 64, 128, jnp.bfloat16, walks=128, steps=1024,
+                               applies_inverse=True).num_stages == 1      # headline: 1.03x with two
+
+
+def test_walk_bwd_two_stages_where_few_programs():
+    """On a long walk with few programs (one an SM, each latency-bound) the reverse walk takes two
+    stages: 16-bit dots up to FEW_PROGRAMS_TWO_STAGE_STEP_BYTES a step, float32 dots up to
+    FEW_PROGRAMS_FLOAT32_TWO_STAGE_ROWS rows; never at padded K = 256."""
+    from gdp_jax.ops.chunk_h import pallas_bwd, pallas_fwd
+    long = pallas_fwd.LONG_WALK_STEPS
+    sizes = lambda *a, **kw: (lambda s: (s.block_v, s.num_stages))(default_block_sizes(*a, **kw))
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert sizes(128, 128, 64, 128, bf16, walks=16, steps=long, applies_inverse=True) == (16, 2)
+    assert sizes(128, 128, 64, 192, bf16, walks=16, steps=long, applies_inverse=True) == (16, 2)   # 78 KiB
+    assert sizes(128, 128, 64, 128, bf16, walks=32, steps=long, applies_inverse=True) == (32, 2)
+    assert sizes(128, 128, 64, 192, bf16, walks=16, steps=long) == (16, 1)    # from w: 102 KiB
+    assert sizes(128, 128, 64, 128, bf16, walks=16, steps=long - 1, applies_inverse=True) == (64, 1)
+    assert sizes(128, 128, 64, 128, f32, walks=16, steps=long) == (32, 2)     # 64 programs
+    assert sizes(128, 128, 64, 192, f32, walks=16, steps=long) == (32, 2)
+    assert sizes(128, 128, 64, 256, f32, walks=16, steps=long) == (32, 1)
+    assert sizes(128, 128, 64, 128, f32, walks=32, steps=long) == (32, 1)     # 128 programs
+    assert sizes(256, 256, 64, 64, bf16, walks=1, steps=long, applies_inverse=True) == (16, 1)
+    assert pallas_bwd.FEW_PROGRAMS_TWO_STAGE_STEP_BYTES >= 192 * (128 + 64 + 16) * 2
 
 
 def test_walks_narrow_their_value_blocks_where_few():

@@ -77,7 +77,8 @@ from jax.experimental import pallas as pl
 
 from gdp_jax._src.layout import pad_state, stream_layout, tile_width
 from gdp_jax._src.pallas import plgpu, LN2, triton_call
-from gdp_jax.ops.chunk_h.pallas_fwd import decay_and_run_operands, value_block
+from gdp_jax.ops.chunk_h.pallas_fwd import (FEW_PROGRAMS, LONG_WALK_STEPS, decay_and_run_operands,
+                                            value_block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +96,20 @@ class BlockSizes:
 # it takes two stages: M = 2 at K = 64 (48 KiB). The next measured, M = 2 at K = 128 (80 KiB),
 # ran 1.02x slower with two.
 TWO_STAGE_STEP_BYTES = 2 * 64 * (2 * 64 + 64) * 2
+# The same where few programs narrow the value blocks (one program an SM, each latency-bound):
+# the next step's loads then overlap this one's dots at up to M = 3 from T (78 KiB a step).
+FEW_PROGRAMS_TWO_STAGE_STEP_BYTES = 80 * 1024
+# float32 dots there: two stages measured up to M = 3 from w (a step of 192 rows).
+FEW_PROGRAMS_FLOAT32_TWO_STAGE_ROWS = 192
 
 
 def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_step: int,
-                        dot_dtype=jnp.float32, walks: int = 0, steps: int = 0) -> BlockSizes:
+                        dot_dtype=jnp.float32, walks: int = 0, steps: int = 0,
+                        applies_inverse: bool = False) -> BlockSizes:
     """The launch table for K, V (padded to tile widths inside), the chunk size, the rows of k, w
     and dv one step of the reverse walk reads (chunk_size * subchunks * num_householder), the
-    dots' operand dtype and the ``walks`` (B * H) of ``steps`` chunks each (0: not known, many).
+    dots' operand dtype, the ``walks`` (B * H) of ``steps`` chunks each (0: not known, many) and
+    whether the walk reads the WY stage's T [rows, chunk_size] in w's place (``inverse``).
     RESULTS.md, "Reverse state walk and its epilogue":
 
     | shape class | (block_k, block_v) | why |
@@ -111,7 +119,10 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_
     | float32 dots, K <= 128 | (64, 32) | no spill in offline sm_90a builds (BK 32 spills: more load sites) |
     | float32 dots, K = 256 | (64, 16) | the widest value block without spills offline |
     | 16-bit dots, a step of at most TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.72x at K = 64, M = 2; 0.89x at K = 128, M = 1 |
-    | otherwise | 1 stage | 1.02x at K = 128, M = 2 with two |
+    | the same narrowed to few programs, a step of at most FEW_PROGRAMS_TWO_STAGE_STEP_BYTES | 2 stages | with the epilogue, from T: 0.67x on B1 T65536 H16 M = 2 (0.93x ungated), 0.64x at M = 3, 0.76x on B2 T32768 H16 |
+    | float32 dots, few programs (``pallas_fwd.FEW_PROGRAMS`` on a ``LONG_WALK_STEPS`` walk), a step of at most FEW_PROGRAMS_FLOAT32_TWO_STAGE_ROWS rows | 2 stages | on B1 T65536 H16 0.78x at M = 2 and 0.87x at M = 3 for float16 inputs, 0.85x at M = 2 for float32 |
+    | padded K = 256 | 1 stage | 2 stages 1.03x at M = 1 from T |
+    | otherwise | 1 stage | 1.02x at K = 128, M = 2 with two (1.03x from T) |
 
     8 warps at chunk 128 (4 spill there offline), else 4. The walk is latency bound (one dependent
     chain of dots per chunk), so narrower value blocks, i.e. more programs, are preferred.
@@ -123,8 +134,16 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_
         block_k, block_v = kp, value_block(value_dim, walks, steps)
     else:
         block_k, block_v = min(kp, 64), min(vp, 32 if kp <= 128 else 16)
-    step_bytes = rows_per_step * (2 * kp + block_v) * itemsize
-    stages = 2 if itemsize == 2 and step_bytes <= TWO_STAGE_STEP_BYTES else 1
+    first_width = chunk_size if applies_inverse else kp                # w's rows or T's
+    step_bytes = rows_per_step * (kp + first_width + block_v) * itemsize
+    few = steps >= LONG_WALK_STEPS and walks * (vp // block_v) < FEW_PROGRAMS
+    if kp > 128:
+        stages = 1
+    elif itemsize == 2:
+        stages = 2 if step_bytes <= (FEW_PROGRAMS_TWO_STAGE_STEP_BYTES if few or block_v < min(vp, 64)
+                                     else TWO_STAGE_STEP_BYTES) else 1
+    else:
+        stages = 2 if few and rows_per_step <= FEW_PROGRAMS_FLOAT32_TWO_STAGE_ROWS else 1
     return BlockSizes(block_k=block_k, block_v=block_v, num_warps=warps, num_stages=stages)
 
 
@@ -261,7 +280,8 @@ def chunk_h_bwd_walk(k, w, g, runs, dh, dv_new, dfinal, *, chunk_size: int, num_
     kp, vp = tile_width(key_dim), tile_width(value_dim)
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size,
                                                chunk_size * subchunks * m, dot_dtype,
-                                               walks=batch * heads, steps=num_chunks)
+                                               walks=batch * heads, steps=num_chunks,
+                                               applies_inverse=inverse is not None)
     block_k, block_v = sizes.block_k, sizes.block_v
     for name, block, width in (("block_k", block_k, kp), ("block_v", block_v, vp)):
         if width % block or block < 16 or block & (block - 1):
@@ -403,7 +423,8 @@ def chunk_h_bwd_pallas(k, w, g, runs, h, v_new, dh, dv_new, dfinal, *, chunk_siz
     f32 = jnp.float32
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, chunk_size,
                                                chunk_size * subchunks * m, dot_dtype,
-                                               walks=batch * heads, steps=num_chunks)
+                                               walks=batch * heads, steps=num_chunks,
+                                               applies_inverse=inverse is not None)
     dvt, dstate, dinit = chunk_h_bwd_walk(
         k, w, g, runs, dh, dv_new, dfinal, chunk_size=chunk_size, num_householder=m,
         with_initial_state=with_initial_state, subchunks=subchunks, dot_dtype=dot_dtype,

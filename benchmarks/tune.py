@@ -427,9 +427,13 @@ class WalkBwd(Wy):
     def default(self, shape, p):
         from gdp_jax.ops.chunk_h import pallas_bwd
         grid = self.grid[0]
+        # inputs() records whether the backward works from T; --list runs no inputs
+        from_inverse = getattr(self, "from_inverse", None)
+        if from_inverse is None:
+            from_inverse = backward_from_inverse(p, self.interpret)
         return pallas_bwd.default_block_sizes(tile_width(shape["K"]), tile_width(shape["V"]), grid["sub"],
                                               grid["sub"] * grid["subchunks"], self._dot({}),
-                                              applies_inverse=self.from_inverse,
+                                              applies_inverse=from_inverse,
                                               **walk_count(shape, grid))
 
     def call(self, sizes, options, shape, p, interpret):

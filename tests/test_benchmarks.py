@@ -452,6 +452,11 @@ def test_tune_ab_rounds_list_and_budget(capsys):
     assert rows["w8"]["relerr"] == 0.0                     # warps do not change the interpreter's math
     assert tune.main(["--stage", "walk", "--shapes", "B=1,T=32,H=1,K=16,M=1", "--list"]) is None
     assert "block_v=16,num_warps=2" in capsys.readouterr().out
+    # walk_bwd's default depends on whether the backward works from T, which --list reads off
+    # the forward's output structure (no inputs are built)
+    assert tune.main(["--stage", "walk_bwd", "--shapes", "B=1,T=32,H=1,K=128,V=16,M=2",
+                      "--dtype", "bf16", "--chunk", "16", "--list"]) is None
+    assert "default BlockSizes(" in capsys.readouterr().out
     skipped = tune.main(["--stage", "wy", "--shapes", "B=1,T=32,H=1,K=16,M=1", "--budget-s", "0", *COPY])
     assert skipped["rows"] == [] and skipped["skipped"] == [dict(shape="B1 T32 H1 K16 M1", config="(all)")]
     with pytest.raises(SystemExit, match="not field=value"):

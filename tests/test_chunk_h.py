@@ -390,16 +390,21 @@ def test_walk_bwd_without_key_gate_terms():
     assert_close(np.asarray(partial[3]) + terms[:, :tokens], full[3], tolerance("float32"), "dg")
 
 
-@pytest.mark.parametrize("dtype,dot_dtype", [("bfloat16", jnp.bfloat16), ("float16", jnp.float32)],
-                         ids=["bf16-bf16-dots", "f16-f32-dots"])
-def test_walk_bwd_16_bit(dtype, dot_dtype):
+@pytest.mark.parametrize("dtype,dot_dtype,block_sizes", [
+    ("bfloat16", jnp.bfloat16, None),
+    ("float16", jnp.float32, None),
+    # bf16 dots over two key blocks and two value blocks: the form K = 256 takes (128 keys, 32 columns)
+    ("bfloat16", jnp.bfloat16, BwdBlockSizes(block_k=16, block_v=16, num_warps=4)),
+], ids=["bf16-bf16-dots", "f16-f32-dots", "bf16-bf16-dots-blocks-2x2"])
+def test_walk_bwd_16_bit(dtype, dot_dtype, block_sizes):
     """The op's configurations for 16-bit inputs: k, w, h and v_new in the inputs' dtype; the
     reverse walk's dots on bf16 operands for bf16 (dvt, dS, dw pass through HBM in bf16), float32
     for float16. Against float64 autodiff at the same rounded k and w: the half-input bound."""
-    case = Case(77, 32, 16, 2, 16, dtype=dtype)
+    case = Case(77, 32, 32, 2, 16, dtype=dtype)
     (k, w, u, g, runs, state0), cotangents = walk_inputs(case)
     primals = (k, w.astype(dtype), u, g, runs, state0)
-    got = kernel_vjp(case, primals, cotangents, dot_dtype=dot_dtype, residual_dtype=case.jnp_dtype)
+    got = kernel_vjp(case, primals, cotangents, block_sizes=block_sizes, dot_dtype=dot_dtype,
+                     residual_dtype=case.jnp_dtype)
     chex.assert_type([got["dw"], got["du"], got["dk"]], [dot_dtype, dot_dtype, dot_dtype])
     assert_all_close(got, reference_vjp(case, primals, cotangents), tolerance(dtype))
 
@@ -412,7 +417,9 @@ def test_walk_bwd_default_block_sizes_table():
     assert fields(128, 128, 64, 64 * 2, jnp.bfloat16) == (128, 64, 4)
     assert fields(128, 128, 64, 64 * 2, jnp.float32) == (64, 32, 4)
     assert fields(256, 128, 64, 64 * 2, jnp.float32) == (64, 16, 4)
-    assert fields(256, 128, 64, 64 * 2, jnp.bfloat16) == (64, 16, 4)     # 16-bit only up to K = 128
+    assert fields(256, 128, 64, 64 * 2, jnp.bfloat16) == (128, 32, 4)    # 16-bit at K = 256: 0.73x of (64, 16)
+    assert fields(200, 256, 64, 64 * 3, jnp.bfloat16) == (128, 32, 4)
+    assert fields(256, 256, 128, 128 * 2, jnp.bfloat16) == (64, 16, 8)   # chunk 128: not measured there
     assert fields(96, 48, 128, 128, jnp.float32) == (64, 32, 8)          # padded widths; chunk 128: 8 warps
     assert fields(16, 16, 16, 16, jnp.bfloat16) == (16, 16, 4)
     stages = lambda *a: default_block_sizes(*a).num_stages
@@ -447,6 +454,7 @@ def test_walk_bwd_two_stages_where_few_programs():
     assert sizes(128, 128, 64, 256, f32, walks=16, steps=long) == (32, 1)
     assert sizes(128, 128, 64, 128, f32, walks=32, steps=long) == (32, 1)     # 128 programs
     assert sizes(256, 256, 64, 64, bf16, walks=1, steps=long, applies_inverse=True) == (16, 1)
+    assert sizes(256, 256, 64, 128, bf16, walks=32, steps=long, applies_inverse=True) == (32, 1)
     assert pallas_bwd.FEW_PROGRAMS_TWO_STAGE_STEP_BYTES >= 192 * (128 + 64 + 16) * 2
 
 
@@ -477,8 +485,8 @@ def test_walk_default_block_sizes_table():
     """RESULTS.md, "State walk": on the full op's sub-chunk grid without h at every sub-chunk, one
     sub-chunk a step at two stages for 16-bit dots from K = 128 up; elsewhere two stages for
     16-bit dots where a whole stored chunk's k, w and u fit (chunk_size * subchunks * M rows),
-    one otherwise; whole token chunks again where few programs narrow the value blocks; 8 warps
-    for the walk applying T with h at every sub-chunk at padded K = 256."""
+    one otherwise; whole token chunks again where few programs narrow the value blocks; 32 value
+    columns for the walk applying T at padded K = 256."""
     from gdp_jax.ops.chunk_h import pallas_fwd
     from gdp_jax.ops.chunk_h.pallas_fwd import default_block_sizes as walk_sizes
     sizes = lambda *a, **kw: (lambda s: (s.num_stages, s.chunks_per_step))(walk_sizes(*a, **kw))
@@ -510,13 +518,15 @@ def test_walk_default_block_sizes_table():
     assert sizes(128, 128, 64, 2, 1, bf16, every_chunk_too=True, **few) == (2, None)   # 0.79x
     assert sizes(128, 128, 64, 3, 1, bf16, **few) == (2, None)      # M = 3: 0.72x
     assert sizes(256, 256, 64, 2, 1, bf16, **few) == (2, 1)         # 32 columns: a whole chunk is too large
-    # 8 warps for the walk applying T with h at every sub-chunk at padded K = 256, 64 columns only.
-    warps = lambda *a, **kw: walk_sizes(*a, **kw).num_warps
-    assert warps(256, 256, 64, 2, 1, bf16, **every_t) == 8          # measured: 0.91x
-    assert warps(200, 128, 64, 2, 1, bf16, **every_t) == 8
-    assert warps(256, 256, 64, 2, 1, bf16, applies_inverse=True) == 4                  # 1.18x at 8
-    assert warps(128, 128, 64, 2, 1, bf16, **every_t) == 4
-    assert warps(256, 256, 64, 2, 1, bf16, every_chunk_too=True, **few) == 4           # not measured narrowed
+    # The walk applying T at padded K = 256: 32 value columns at 4 warps, h at every sub-chunk or not.
+    cols = lambda *a, **kw: (lambda s: (s.block_v, s.num_warps))(walk_sizes(*a, **kw))
+    assert cols(256, 256, 64, 2, 1, bf16, **every_t) == (32, 4)     # 0.80x of 64 columns at 8 warps
+    assert cols(200, 128, 64, 2, 1, bf16, **every_t) == (32, 4)
+    assert cols(256, 256, 64, 2, 1, bf16, applies_inverse=True) == (32, 4)          # 0.77x of 64
+    assert cols(256, 16, 64, 2, 1, bf16, applies_inverse=True) == (None, 4)         # V = 16: one block
+    assert cols(128, 128, 64, 2, 1, bf16, **every_t) == (None, 4)   # K = 128: 64 columns
+    assert cols(256, 256, 64, 2, 1, bf16) == (None, 4)              # reading w, u: not measured
+    assert cols(256, 256, 64, 2, 1, bf16, every_chunk_too=True, **few) == (32, 4)   # narrowed already
     # The seed op's walk: a token chunk of M rows a token, no sub-chunk grid.
     assert sizes(128, 128, 64, 1, 2, bf16) == (2, None)             # measured: 0.86x
     assert sizes(128, 128, 64, 1, 1, jnp.float16) == (2, None)      # M = 1: 0.75x

@@ -315,6 +315,7 @@ def test_walk_forward(case):
     (Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4), "bfloat16"),    # the op's bf16 choice
     (Case(1000, 64, 64, 2, 64, dtype="bfloat16", heads=4), "bfloat16"),      # two stages
     (Case(333, 256, 128, 2, 64, heads=3), "float32"),        # K = 256: value blocks of 16
+    (Case(333, 256, 128, 2, 64, dtype="bfloat16", heads=3), "bfloat16"),    # K = 256: 128-key, 32-column blocks
     (Case(333, 128, 128, 2, 128, heads=3), "float32"),       # chunk 128: 8 warps
 ], ids=lambda x: case_id(x) if isinstance(x, Case) else x)
 def test_walk_bwd(case, dot_dtype):

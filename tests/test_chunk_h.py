@@ -420,6 +420,7 @@ def test_walk_bwd_default_block_sizes_table():
     assert fields(256, 128, 64, 64 * 2, jnp.bfloat16) == (128, 32, 4)    # 16-bit at K = 256: 0.73x of (64, 16)
     assert fields(200, 256, 64, 64 * 3, jnp.bfloat16) == (128, 32, 4)
     assert fields(256, 256, 128, 128 * 2, jnp.bfloat16) == (64, 16, 8)   # chunk 128: not measured there
+    assert fields(256, 256, 32, 32 * 2, jnp.bfloat16) == (64, 16, 4)     # nor chunk 32
     assert fields(96, 48, 128, 128, jnp.float32) == (64, 32, 8)          # padded widths; chunk 128: 8 warps
     assert fields(16, 16, 16, 16, jnp.bfloat16) == (16, 16, 4)
     stages = lambda *a: default_block_sizes(*a).num_stages
@@ -526,6 +527,7 @@ def test_walk_default_block_sizes_table():
     assert cols(256, 16, 64, 2, 1, bf16, applies_inverse=True) == (None, 4)         # V = 16: one block
     assert cols(128, 128, 64, 2, 1, bf16, **every_t) == (None, 4)   # K = 128: 64 columns
     assert cols(256, 256, 64, 2, 1, bf16) == (None, 4)              # reading w, u: not measured
+    assert cols(256, 256, 32, 2, 1, bf16, applies_inverse=True) == (None, 4)        # chunk 32: not measured
     assert cols(256, 256, 64, 2, 1, bf16, every_chunk_too=True, **few) == (32, 4)   # narrowed already
     # The seed op's walk: a token chunk of M rows a token, no sub-chunk grid.
     assert sizes(128, 128, 64, 1, 2, bf16) == (2, None)             # measured: 0.86x

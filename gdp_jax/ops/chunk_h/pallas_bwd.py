@@ -118,7 +118,7 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_
     | the same, few programs on a long walk (``pallas_fwd.value_block``) | (K, 32 or 16) | more programs for a latency-bound walk: on B1 T65536 H16 the reverse walk at 16 columns 8.81 ms, at 32 1.06x, at 64 1.21x |
     | 16-bit dots, padded K = 256, chunk 64 | (128, 32; 16 where few programs) | reverse walk + epilogue 0.73x of (64, 16) at M = 2, 0.76x at M = 3, 0.87x at M = 1; (256, 32) level, (64, 32) 0.76x, (64, 64) 0.87x |
     | float32 dots, K <= 128 | (64, 32) | no spill in offline sm_90a builds (BK 32 spills: more load sites) |
-    | float32 dots (and chunk 128), K = 256 | (64, 16) | the widest value block without spills offline |
+    | float32 dots (and 16-bit at other chunks), K = 256 | (64, 16) | the widest value block without spills offline |
     | 16-bit dots, a step of at most TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.72x at K = 64, M = 2; 0.89x at K = 128, M = 1 |
     | the same narrowed to few programs, a step of at most FEW_PROGRAMS_TWO_STAGE_STEP_BYTES | 2 stages | with the epilogue, from T: 0.67x on B1 T65536 H16 M = 2 (0.93x ungated), 0.64x at M = 3, 0.76x on B2 T32768 H16 |
     | float32 dots, few programs (``pallas_fwd.FEW_PROGRAMS`` on a ``LONG_WALK_STEPS`` walk), a step of at most FEW_PROGRAMS_FLOAT32_TWO_STAGE_ROWS rows | 2 stages | on B1 T65536 H16 0.78x at M = 2 and 0.87x at M = 3 for float16 inputs, 0.85x at M = 2 for float32 |
@@ -133,7 +133,7 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, rows_per_
     itemsize = jnp.dtype(dot_dtype).itemsize
     if itemsize == 2 and kp <= 128:
         block_k, block_v = kp, value_block(value_dim, walks, steps)
-    elif itemsize == 2 and chunk_size <= 64:
+    elif itemsize == 2 and chunk_size == 64:
         block_k, block_v = 128, value_block(value_dim, walks, steps, widest=32)
     else:
         block_k, block_v = min(kp, 64), min(vp, 32 if kp <= 128 else 16)

@@ -78,7 +78,7 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks
     | the same (narrowed), a whole token chunk's step <= TWO_STAGE_STEP_BYTES | whole token chunks a step, 2 stages | one program an SM either way, so fewer, longer steps win: the walk applying T 0.88x (h at every sub-chunk too: 0.79x) on B1 T65536 H16, 0.72x at M = 3, 0.93x on B2 T32768 H16; the op's forward / forward + backward 0.91x / 0.95x and 0.95x / 0.99x |
     | 16-bit dots, sub-chunk grid, h at token chunks only, padded K >= 128, a sub-chunk <= TWO_STAGE_STEP_BYTES | one sub-chunk a step, 2 stages | 0.79x at M = 3 (whole chunks: 1 stage), 0.76x at K = 256, 0.89x at M = 2 (whole chunks at 2 stages) |
     | the same with h at every sub-chunk where the walk applies T | one sub-chunk a step, 2 stages | offline sm_90a at the headline: 74 KiB of shared memory against 131.6 for whole token chunks, two programs per SM; the op's forward + backward 0.96x at the headline, 0.97x at M = 3 and at K = 256 |
-    | ... applying T at padded K = 256 | 32 value columns, 4 warps | the walk applying T 0.77x of 64 columns at M = 2, 0.86x at M = 1; with h at every sub-chunk too 0.80x / 0.81x of 64 columns at 8 warps (at 4 warps 64 columns spill) |
+    | ... applying T at padded K = 256, chunk 64 | 32 value columns, 4 warps | the walk applying T 0.77x of 64 columns at M = 2, 0.86x at M = 1; with h at every sub-chunk too 0.80x / 0.81x of 64 columns at 8 warps (at 4 warps 64 columns spill) |
     | other 16-bit dots, a step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time (0.56-0.86x also storing h at every sub-chunk); one sub-chunk a step took the op's forward to 1.06x at K = 64, and the walk to 1.18x at M = 2 and 1.02x at M = 3 with h at every sub-chunk |
     | larger steps, float32 dots | 1 stage | 2 stages overflow shared memory (larger steps) or run 1.9x slower (float32 dots) |
     """
@@ -96,7 +96,8 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks
         return BlockSizes(block_v=narrow, num_stages=2)
     if (subchunks > 1 and (applies_inverse or not every_chunk_too) and tile_width(key_dim) >= 128
             and two_stages(1)):
-        if narrow is None and applies_inverse and tile_width(key_dim) >= 256 and tile_width(value_dim) > 32:
+        if (narrow is None and applies_inverse and chunk_size == 64 and tile_width(key_dim) >= 256
+                and tile_width(value_dim) > 32):
             narrow = 32
         return BlockSizes(block_v=narrow, num_stages=2, chunks_per_step=1)
     return BlockSizes(block_v=narrow, num_stages=2 if two else 1)

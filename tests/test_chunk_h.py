@@ -528,6 +528,7 @@ def test_walk_default_block_sizes_table():
     assert cols(128, 128, 64, 2, 1, bf16, **every_t) == (None, 4)   # K = 128: 64 columns
     assert cols(256, 256, 64, 2, 1, bf16) == (None, 4)              # reading w, u: not measured
     assert cols(256, 256, 32, 2, 1, bf16, applies_inverse=True) == (None, 4)        # chunk 32: not measured
+    assert cols(256, 256, 32, 2, 1, bf16, **every_t) == (None, 8)   # ... where 64 columns at 4 warps spill
     assert cols(256, 256, 64, 2, 1, bf16, every_chunk_too=True, **few) == (32, 4)   # narrowed already
     # The seed op's walk: a token chunk of M rows a token, no sub-chunk grid.
     assert sizes(128, 128, 64, 1, 2, bf16) == (2, None)             # measured: 0.86x

@@ -79,6 +79,7 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks
     | 16-bit dots, sub-chunk grid, h at token chunks only, padded K >= 128, a sub-chunk <= TWO_STAGE_STEP_BYTES | one sub-chunk a step, 2 stages | 0.79x at M = 3 (whole chunks: 1 stage), 0.76x at K = 256, 0.89x at M = 2 (whole chunks at 2 stages) |
     | the same with h at every sub-chunk where the walk applies T | one sub-chunk a step, 2 stages | offline sm_90a at the headline: 74 KiB of shared memory against 131.6 for whole token chunks, two programs per SM; the op's forward + backward 0.96x at the headline, 0.97x at M = 3 and at K = 256 |
     | ... applying T at padded K = 256, chunk 64 | 32 value columns, 4 warps | the walk applying T 0.77x of 64 columns at M = 2, 0.86x at M = 1; with h at every sub-chunk too 0.80x / 0.81x of 64 columns at 8 warps (at 4 warps 64 columns spill) |
+    | ... at padded K = 256 otherwise, 64 value columns, h at every sub-chunk | 8 warps | offline 4 warps spill about 1 KB; that walk 0.91x on B2 T16384 H16 (chunk 64, before the 32-column row) |
     | other 16-bit dots, a step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time (0.56-0.86x also storing h at every sub-chunk); one sub-chunk a step took the op's forward to 1.06x at K = 64, and the walk to 1.18x at M = 2 and 1.02x at M = 3 with h at every sub-chunk |
     | larger steps, float32 dots | 1 stage | 2 stages overflow shared memory (larger steps) or run 1.9x slower (float32 dots) |
     """
@@ -99,7 +100,8 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks
         if (narrow is None and applies_inverse and chunk_size == 64 and tile_width(key_dim) >= 256
                 and tile_width(value_dim) > 32):
             narrow = 32
-        return BlockSizes(block_v=narrow, num_stages=2, chunks_per_step=1)
+        warps = 8 if every_chunk_too and narrow is None and tile_width(key_dim) >= 256 else 4
+        return BlockSizes(block_v=narrow, num_warps=warps, num_stages=2, chunks_per_step=1)
     return BlockSizes(block_v=narrow, num_stages=2 if two else 1)
 
 

@@ -225,10 +225,15 @@ def test_chunk_o_bwd_shapes(case):
     Case(1000, 128, 128, 3, 64, gated=False, segments=False, dtype="bfloat16", heads=4),
     Case(1000, 64, 64, 1, 64, segments=False, dtype="float16", heads=4),
     Case(333, 96, 48, 2, 64, dtype="bfloat16", heads=3),       # widths padded to 64
+    # Past 128: the two-kernel form.
+    Case(1000, 256, 256, 2, 64, dtype="bfloat16", heads=2),
+    Case(1000, 256, 256, 3, 64, gated=False, segments=False, dtype="bfloat16", heads=2),
+    Case(517, 200, 96, 1, 64, dtype="float16", heads=3),       # K padded to 256, V to 128
+    Case(333, 64, 192, 2, 64, segments=False, dtype="bfloat16", heads=2),
 ], ids=case_id)
 def test_chunk_o_bwd_mosaic(case):
     """The compiled Mosaic GPU backward on kernel_inputs against float64 autodiff of the dense
-    form (K, V up to 128: what it takes)."""
+    form: one kernel up to K, V = 128, two past it."""
     check_chunk_o_bwd_mosaic(case)
 
 
@@ -342,6 +347,8 @@ FULL_OP_CASES = [
     (Case(1000, 64, 64, 2, 64, dtype="bfloat16", heads=4), False),     # K = 64: the backward from T
     (Case(333, 32, 48, 3, 64, dtype="bfloat16", heads=2), False),      # ... and at a small K
     (Case(517, 200, 256, 2, 64, dtype="bfloat16", heads=2), False),    # K = 256 (padded): its walks' 8 warps
+    (Case(517, 256, 192, 2, 128, dtype="bfloat16", heads=2), False),   # K = 256 at chunks 128 and 32: the
+    (Case(333, 200, 256, 3, 32, dtype="bfloat16", heads=2), False),    # walks' rows for chunks other than 64
     # use_qk_l2norm: the normalisation's custom_vjp and backward kernel (raw q, k of varied norms).
     (Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4), True),
     (Case(333, 64, 32, 3, 64, heads=3), True),

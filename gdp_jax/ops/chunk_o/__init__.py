@@ -60,9 +60,9 @@ def chunk_gdp_fwd_o(q: jax.Array, k: jax.Array, v: jax.Array, h: jax.Array,
         backend ("mosaic" on a jax without Pallas' Triton lowering) and "xla" elsewhere. "pallas"
         runs the jnp path where the compiled kernels' tiles would not fit shared memory: K or V
         above 256, or float32 inputs with K above 128 at chunk_size 128. "mosaic" runs its
-        forward for 16-bit q, k, v with h of the same dtype, chunk_size 64 and K, V up to 256,
-        its backward where also K, V are at most 128, and the "pallas" rule otherwise
-        ("mosaic_interpret": the "interpret" rule). "pallas" takes that Mosaic backward too, on
+        forward and backward for 16-bit q, k, v with h of the same dtype, chunk_size 64 and
+        K, V up to 256, and the "pallas" rule otherwise ("mosaic_interpret": the "interpret"
+        rule). "pallas" takes that Mosaic backward too where K, V are at most 128, on
         jax >= 0.11 (measured faster; the Triton forward stays). float64 inputs run the jnp path
         in float64.
 

@@ -13,10 +13,25 @@ chunk, batch) on one warpgroup, every product a wgmma on SMEM tiles:
                  dg_row += rowsum(Z_m),  dg_col += colsum(Z_m)
     dg = ln2 (dg_row - dg_col)                         summed in XLA from the two [B, H, T] parts
 
+Past K, V = 128 those tiles outgrow SMEM (193 KiB at K = V = 128), so wider problems run two
+kernels that split the same sums by what they read:
+
+    copies (head, chunk, batch):       per copy m: S_m, dA_m, dv_m, dk_m, the Z sums; dA_m stored
+    state  (key tile, head, chunk, batch), 64 keys kb each:
+        dq1    = do @ h[kb]^T                           [BT, 64]
+        dq[kb] = scale w ⊙ dq1 + sum_m dA_m @ k_m[:, kb]
+        dh[kb] = (scale w ⊙ q[:, kb])^T @ do            [64, V]  (the row weights on q, not do)
+        dg_row's state share, this key tile's part: scale w ⊙ rowsum(q[:, kb] ⊙ dq1)
+                                                       (= rowsum(do ⊙ (q[:, kb] @ h[kb])))
+
+so no program holds h whole or more than one [64, V] accumulator: 208 KiB of SMEM for the copies
+kernel at K = V = 256, 128 KiB for the state kernel at V = 256, M = 3. The state kernel reads q,
+k and dA_m (16-bit, [BT, BT] per copy) once more than the one-kernel form would; do once per key
+tile, the tiles of one chunk running side by side.
+
 Operands as in ``mosaic_fwd`` (k, v, dk, dv viewed as [B, T, M*H, *]; g as [B, H, T]).
-Supported (``dispatch.chunk_o_backward_implementation``): what the forward takes, with K and V
-up to 128 (the kernel's SMEM tiles: 193 KiB at K = V = 128). Ragged T is padded to whole chunks
-here.
+Supported (``dispatch.chunk_o_backward_implementation``): what the forward takes (K and V padded
+to multiples of 64 up to 256). Ragged T is padded to whole chunks here.
 """
 from __future__ import annotations
 
@@ -27,7 +42,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdp_jax._src import mosaic as mg
+from gdp_jax._src.dispatch import MOSAIC_BWD_ONE_KERNEL_WIDTH as ONE_KERNEL_WIDTH
 from gdp_jax._src.dispatch import MOSAIC_CHUNK_SIZE as CHUNK_SIZE
+from gdp_jax._src.dispatch import MOSAIC_TILE as TILE
 from gdp_jax._src.pallas import LN2
 from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_weights, stream_operands
 
@@ -137,20 +154,200 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     plgpu.wait_smem_to_gmem(0)
 
 
-def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int,
-                       num_householder: int, interpret: bool = False):
-    """(dq, dk, dv, dh, dg) for inputs ``dispatch.chunk_o_backward_implementation`` routes here,
-    K and V padded to multiples of 64: dq, dk, dv in q's, k's, v's dtype, dh in h's, dg [B, T, H]
-    float32 or None without g. Arguments as ``chunk_o_fwd_mosaic``'s, and do [B, T, H, V]."""
-    if chunk_size != CHUNK_SIZE:
-        raise ValueError(f"the Mosaic GPU kernel takes chunk_size {CHUNK_SIZE}; got {chunk_size}")
-    batch, tokens, heads, key_dim = q.shape
-    value_dim, m, num_chunks = v.shape[-1], num_householder, h.shape[1]
-    padded_tokens = num_chunks * chunk_size
-    operands = stream_operands(q, k, v, h, g, runs, do.astype(v.dtype), num_householder=m,
-                               chunk_size=chunk_size)
+def _copies_kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
+                   has_g: bool, has_segments: bool, interpret: bool, scratch):
+    """The wide backward's per-copy sums: dk_m, dv_m, dA_m and the Z row / column sums."""
+    m, bt = num_householder, CHUNK_SIZE
+    q_g, k_g, v_g, do_g = refs[:4]
+    g_g = refs[4] if has_g else None
+    sr_g = refs[4 + has_g] if has_segments else None
+    dk_g, dv_g, da_g, dg_g = refs[-4:]
+    (q_s, do_s, k_s, v_s, s_s, da_s, dk_s, dv_s, g_s, sr_s, dg_s, in_bar, kv_bar) = scratch
+    hd, c, b = (lax.axis_index(n) for n in ("head", "chunk", "batch"))
+    rows = pl.ds(c * bt, bt)
 
-    dtype, bt = q.dtype, chunk_size
+    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
+    plgpu.copy_gmem_to_smem(do_g.at[b, rows, hd], do_s, in_bar.at[1])
+    g_copies = (g_s.at[0], g_s.at[1]) if has_g else None      # read per row, per column
+    if has_g:
+        for i, g_copy in enumerate(g_copies):
+            plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_copy, in_bar.at[2 + i])
+    if has_segments:
+        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[4])
+
+    def load_kv(copy):
+        plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s, kv_bar.at[0])
+        plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd], v_s, kv_bar.at[1])
+    load_kv(0)
+
+    w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[2], in_bar.at[3]),
+                      sr_s if has_segments else None, in_bar.at[4], interpret)
+    t_ids, s_ids = w.ids
+    below_diagonal = w.pair_mask & (s_ids < t_ids)
+
+    def weigh(x):                                   # P ⊙ x
+        return x * w.pair_weight if has_g else jnp.where(w.pair_mask, x, 0.0)
+
+    plgpu.barrier_wait(in_bar.at[0])
+    plgpu.barrier_wait(in_bar.at[1])
+    dg_row = dg_col = None
+    for copy in range(m):
+        plgpu.barrier_wait(kv_bar.at[0])
+        plgpu.barrier_wait(kv_bar.at[1])
+        score = weigh(mg.dot_nt(q_s, k_s, interpret))                       # S_m [BT, BT]
+        dpv = mg.dot_nt(do_s, v_s, interpret)                                # [BT, BT]
+        if copy + 1 < m:                            # neither tile is read again
+            load_kv(copy + 1)
+        d_score = weigh(scale * dpv)                                         # dA_m
+        if has_g:
+            z = jnp.where(below_diagonal, score * (scale * dpv), 0.0)
+            dg_row = jnp.sum(z, axis=1) if dg_row is None else dg_row + jnp.sum(z, axis=1)
+            dg_col = jnp.sum(z, axis=0) if dg_col is None else dg_col + jnp.sum(z, axis=0)
+        plgpu.wait_smem_to_gmem(0)                  # the previous copy's dA, dk, dv have left
+        s_s[...] = score.astype(s_s.dtype)
+        da_s[...] = d_score.astype(da_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(da_s, da_g.at[b, rows, copy * heads + hd])
+        dv_s[...] = (scale * mg.dot_tn(s_s, do_s, interpret)).astype(dv_s.dtype)
+        dk_s[...] = mg.dot_tn(da_s, q_s, interpret).astype(dk_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dv_s, dv_g.at[b, rows, copy * heads + hd])
+        plgpu.copy_smem_to_gmem(dk_s, dk_g.at[b, rows, copy * heads + hd])
+    if has_g:
+        dg_s.at[0][...] = dg_row
+        dg_s.at[1][...] = dg_col
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dg_s.at[0], dg_g.at[0, b, hd, rows])
+        plgpu.copy_smem_to_gmem(dg_s.at[1], dg_g.at[1, b, hd, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _state_kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
+                  has_g: bool, has_segments: bool, interpret: bool, scratch):
+    """The wide backward's key-tile sums: dq[kb], dh[kb] and dg_row's state share (its kb part)."""
+    m, bt = num_householder, CHUNK_SIZE
+    q_g, k_g, h_g, do_g, da_g = refs[:5]
+    g_g = refs[5] if has_g else None
+    sr_g = refs[5 + has_g] if has_segments else None
+    dq_g, dh_g, dg_g = refs[-3:]
+    (q_s, wq_s, do_s, h_s, k_s, da_s, g_s, sr_s, dg_s, in_bar, k_bar, da_bar) = scratch
+    kb, hd, c, b = (lax.axis_index(n) for n in ("key", "head", "chunk", "batch"))
+    rows, keys = pl.ds(c * bt, bt), pl.ds(kb * TILE, TILE)
+
+    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd, keys], q_s, in_bar.at[0])
+    plgpu.copy_gmem_to_smem(do_g.at[b, rows, hd], do_s, in_bar.at[1])
+    plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, keys], h_s, in_bar.at[2])
+    if has_g:
+        plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_s, in_bar.at[3])
+    if has_segments:
+        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[4])
+    for copy in range(m):
+        plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd, keys], k_s.at[copy],
+                                k_bar.at[copy])
+        plgpu.copy_gmem_to_smem(da_g.at[b, rows, copy * heads + hd], da_s.at[copy],
+                                da_bar.at[copy])
+
+    # scale w: [same(t, c0)] 2^g[t] scale per row (chunk_weights' row_weight), a [BT] row vector,
+    # or the scalar scale where w is all ones.
+    row_scale = scale
+    if has_segments:
+        plgpu.barrier_wait(in_bar.at[4])
+        row_scale = jnp.where(mg.row_vector(sr_s, interpret) == 0, scale, 0.0)
+    if has_g:
+        plgpu.barrier_wait(in_bar.at[3])
+        row_scale = row_scale * jnp.exp2(mg.row_vector(g_s, interpret))
+    by_row = lambda x: x * (row_scale if isinstance(row_scale, float)
+                            else mg.broadcast_rows(row_scale, x.shape))
+    plgpu.barrier_wait(in_bar.at[0])
+    q = mg.tile(q_s, interpret).astype(jnp.float32)                         # [BT, 64]
+    wq_s[...] = by_row(q).astype(wq_s.dtype)
+    plgpu.commit_smem()
+
+    plgpu.barrier_wait(in_bar.at[1])
+    plgpu.barrier_wait(in_bar.at[2])
+    dq1 = mg.dot_nt(do_s, h_s, interpret)                                   # [BT, 64]
+    h_s[...] = mg.dot_tn(wq_s, do_s, interpret).astype(h_s.dtype)           # dh[kb], through h's tile
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(h_s, dh_g.at[b, c, hd, keys])
+    dg_part = jnp.sum(q * dq1, axis=1) * row_scale if has_g else None
+
+    def copies(mma):
+        for copy in range(m):
+            plgpu.barrier_wait(k_bar.at[copy])
+            plgpu.barrier_wait(da_bar.at[copy])
+            mma(da_s.at[copy], k_s.at[copy])
+    dq = mg.accumulate((bt, TILE), copies, interpret) + by_row(dq1)
+    wq_s[...] = dq.astype(wq_s.dtype)               # wq's last reader (dh's product) waited
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(wq_s, dq_g.at[b, rows, hd, keys])
+    if has_g:
+        dg_s[...] = dg_part
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dg_s, dg_g.at[kb, b, hd, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
+    """The two-kernel backward (module docstring) on ``stream_operands``' padded inputs."""
+    batch, padded_tokens, heads, key_dim = q.shape
+    value_dim, num_chunks, bt = v.shape[-1], h.shape[1], CHUNK_SIZE
+    has_g, has_segments = g is not None, runs is not None
+    extras = [x for x in (g, runs) if x is not None]
+    dtype = q.dtype
+    tiles = mg.tile_transforms(dtype)
+    smem = lambda *shape: plgpu.SMEM(shape, dtype, transforms=tiles)
+    kwargs = dict(scale=scale, tokens=tokens, num_householder=m, heads=heads, has_g=has_g,
+                  has_segments=has_segments, interpret=interpret)
+
+    def call(kernel, scratch, out_type, grid, grid_names, *operands):
+        def body(*refs):
+            n = len(refs) - len(scratch)
+            return kernel(*refs[:n], scratch=refs[n:], **kwargs)
+        return mg.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
+                         grid_names=grid_names, interpret=interpret)(*operands)
+
+    copies_scratch = (
+        smem(bt, key_dim), smem(bt, value_dim), smem(bt, key_dim), smem(bt, value_dim),  # q do k v
+        smem(bt, bt), smem(bt, bt), smem(bt, key_dim), smem(bt, value_dim),      # S, dA, dk, dv
+        plgpu.SMEM((2, bt), jnp.float32), plgpu.SMEM((bt,), jnp.int32),         # g x2, starts
+        plgpu.SMEM((2, bt), jnp.float32),                                        # Z sums
+        plgpu.Barrier(num_arrivals=1, num_barriers=5),                 # q, do, g x2, starts
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),                             # k, v
+    )
+    dk, dv, da, dg_z = call(_copies_kernel, copies_scratch, (
+        jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, key_dim), k.dtype),
+        jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, value_dim), v.dtype),
+        jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, bt), dtype),       # dA_m
+        jax.ShapeDtypeStruct((2, batch, heads, padded_tokens), jnp.float32),
+    ), (heads, num_chunks, batch), ("head", "chunk", "batch"), q, k, v, do, *extras)
+
+    key_tiles = key_dim // TILE
+    state_scratch = (
+        smem(bt, TILE), smem(bt, TILE), smem(bt, value_dim), smem(TILE, value_dim),  # q, wq, do, h
+        smem(m, bt, TILE), smem(m, bt, bt),                                           # k_m, dA_m
+        plgpu.SMEM((bt,), jnp.float32), plgpu.SMEM((bt,), jnp.int32),               # g, starts
+        plgpu.SMEM((bt,), jnp.float32),                                              # dg part
+        plgpu.Barrier(num_arrivals=1, num_barriers=5),                 # q, do, h, g, starts
+        plgpu.Barrier(num_arrivals=1, num_barriers=m),                             # k_m
+        plgpu.Barrier(num_arrivals=1, num_barriers=m),                             # dA_m
+    )
+    dq, dh, dg_state = call(_state_kernel, state_scratch, (
+        jax.ShapeDtypeStruct((batch, padded_tokens, heads, key_dim), dtype),
+        jax.ShapeDtypeStruct(h.shape, h.dtype),
+        jax.ShapeDtypeStruct((key_tiles, batch, heads, padded_tokens), jnp.float32),
+    ), (key_tiles, heads, num_chunks, batch), ("key", "head", "chunk", "batch"),
+        q, k, h, do, da, *extras)
+    dg = None
+    if has_g:
+        dg = jnp.moveaxis(LN2 * (jnp.sum(dg_state, axis=0) + dg_z[0] - dg_z[1]), 1, 2)
+    return dq, dk, dv, dh, dg
+
+
+def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
+    """The one-kernel backward (K, V up to ONE_KERNEL_WIDTH) on ``stream_operands``' inputs."""
+    batch, padded_tokens, heads, key_dim = q.shape
+    value_dim, num_chunks, bt = v.shape[-1], h.shape[1], CHUNK_SIZE
+    dtype = q.dtype
     tiles = mg.tile_transforms(dtype)
     smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=tiles)
     scratch = (
@@ -180,11 +377,31 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     call = mg.kernel(body, out_type=out_type, scratch_types=scratch,
                      grid=(heads, num_chunks, batch), grid_names=("head", "chunk", "batch"),
                      interpret=interpret)
-    dq, dk, dv, dh, dg_parts = call(*operands)
+    dq, dk, dv, dh, dg_parts = call(q, k, v, h, do, *(x for x in (g, runs) if x is not None))
+    dg = None if g is None else jnp.moveaxis(dg_parts[0] - dg_parts[1], 1, 2)   # [B, Tp, H]
+    return dq, dk, dv, dh, dg
+
+
+def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int,
+                       num_householder: int, interpret: bool = False):
+    """(dq, dk, dv, dh, dg) for inputs ``dispatch.chunk_o_backward_implementation`` routes here,
+    K and V padded to multiples of 64: dq, dk, dv in q's, k's, v's dtype, dh in h's, dg [B, T, H]
+    float32 or None without g. Arguments as ``chunk_o_fwd_mosaic``'s, and do [B, T, H, V]. One
+    kernel up to K, V = ONE_KERNEL_WIDTH, two past it (module docstring)."""
+    if chunk_size != CHUNK_SIZE:
+        raise ValueError(f"the Mosaic GPU kernel takes chunk_size {CHUNK_SIZE}; got {chunk_size}")
+    batch, tokens, heads, key_dim = q.shape
+    value_dim, m, num_chunks = v.shape[-1], num_householder, h.shape[1]
+    padded_tokens = num_chunks * chunk_size
+    operands = stream_operands(q, k, v, h, g, runs, do.astype(v.dtype), num_householder=m,
+                               chunk_size=chunk_size)
+    q_, k_, v_, h_, do_ = operands[:5]
+    g_ = operands[5] if g is not None else None
+    runs_ = operands[-1] if runs is not None else None
+    backward = _one_kernel if max(key_dim, value_dim) <= ONE_KERNEL_WIDTH else _wide
+    dq, dk, dv, dh, dg = backward(q_, k_, v_, h_, g_, runs_, do_, scale=scale, tokens=tokens, m=m,
+                                  interpret=interpret)
     dk = dk.reshape(batch, padded_tokens * m, heads, key_dim)
     dv = dv.reshape(batch, padded_tokens * m, heads, value_dim)
-    dg = None
-    if g is not None:
-        dg = jnp.moveaxis(dg_parts[0] - dg_parts[1], 1, 2)                   # [B, Tp, H]
     return (dq[:, :tokens], dk[:, :tokens * m], dv[:, :tokens * m], dh,
             None if dg is None else dg[:, :tokens])

@@ -70,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default="default", help="a named set or 'B=..,T=..,H=..,K=..[,V=..],M=..[,segs=..];...'")
     add_dtype_arg(p)
     p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--impl", default=None, choices=["pallas", "interpret", "xla"],
+    p.add_argument("--impl", default=None, choices=["pallas", "mosaic", "interpret", "xla"],
                    help="our implementation (default pallas on a GPU, interpret on a CPU)")
     p.add_argument("--interpret", action="store_true", help="same as --impl interpret")
     p.add_argument("--l2norm", action="store_true", help="use_qk_l2norm=True (fla: use_qk_l2norm_in_kernel)")

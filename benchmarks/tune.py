@@ -14,6 +14,8 @@ stage's BlockSizes fields, default and sweep):
   chunk_o_fwd_mosaic  ops.chunk_o.mosaic_fwd.chunk_o_fwd_mosaic (the same operands; 16-bit,
                --chunk 64; interpreted by Mosaic GPU's interpreter on a CPU)
   chunk_o_bwd  ops.chunk_o.pallas_bwd.chunk_o_bwd_pallas (q, k, v, h, g, runs, do)
+  chunk_o_bwd_mosaic  ops.chunk_o.mosaic_bwd.chunk_o_bwd_mosaic (the same operands, as
+               chunk_o_fwd_mosaic takes them)
   wy           ops.wy.pallas_fwd.wy_pallas on the full op's sub-chunk grid
   walk         ops.chunk_h.pallas_fwd.chunk_h_pallas on it (w, u from the default WY kernel)
   wy_t         the WY kernel writing T alone (w_and_u=False), as the op's 16-bit forward calls it
@@ -222,6 +224,29 @@ class ChunkOBwd(ChunkOFwd):
         if shape["K"] > 128:                        # gated K = 256's default keys are 64 wide
             out.append(dict(block_k=128))
         return out
+
+
+class ChunkOBwdMosaic(ChunkOFwdMosaic):
+    """The Mosaic GPU backward: one kernel or two (``mosaic_bwd.BlockSizes``)."""
+
+    def inputs(self, problems):
+        return [args + (p.do,) for args, p in zip(super().inputs(problems), problems)]
+
+    def default(self, shape, p):
+        from gdp_jax.ops.chunk_o import mosaic_bwd
+        return mosaic_bwd.default_block_sizes(shape["K"], shape["V"])
+
+    def call(self, sizes, options, shape, p, interpret):
+        from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
+        kw = dict(scale=shape["K"] ** -0.5, chunk_size=p.chunk_size, num_householder=shape["M"])
+        return lambda q, k, v, h, g, runs, do: chunk_o_bwd_mosaic(
+            q, k, v, h, g, runs, do, interpret=interpret, block_sizes=sizes, **kw)
+
+    def check(self, sizes, shape):
+        sizes.check(shape["K"], shape["V"])
+
+    def sweep(self, shape, default):
+        return [] if default.two_kernels else [dict(two_kernels=True)]
 
 
 class Wy(Stage):
@@ -516,6 +541,7 @@ class WyBwd(Wy):
 
 
 STAGES = dict(chunk_o_fwd=ChunkOFwd, chunk_o_fwd_mosaic=ChunkOFwdMosaic, chunk_o_bwd=ChunkOBwd,
+              chunk_o_bwd_mosaic=ChunkOBwdMosaic,
               wy=Wy, walk=Walk, wy_t=WyT, wy_t_l2norm=WyTL2norm, walk_t=WalkT, walk_bwd=WalkBwd, wy_bwd=WyBwd)
 
 

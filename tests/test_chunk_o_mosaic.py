@@ -16,6 +16,7 @@ import pytest
 import gdp_jax
 from gdp_jax._src import dispatch, mosaic
 from gdp_jax._src.segments import segment_runs
+from gdp_jax.ops.chunk_o import mosaic_bwd
 from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
 from gdp_jax.ops.chunk_o.mosaic_fwd import BlockSizes, chunk_o_fwd_mosaic, default_block_sizes
 from cases import (CHUNK_O_NAMES, Case, assert_all_close, assert_close, build, case_id,
@@ -132,6 +133,25 @@ def mosaic_bwd_kernel(case):
 @pytest.mark.parametrize("case", BWD_CASES, ids=case_id)
 def test_backward_kernel(case):
     check_kernel(case, kernel=mosaic_bwd_kernel(case))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", [Case(150, 64, 128, 2, 64, dtype="bfloat16"),
+                                  Case(77, 128, 64, 1, 64, dtype="float16", gated=False)],
+                         ids=case_id)
+def test_backward_two_kernels_at_narrow_widths(case):
+    """The two-kernel form where the default launches one: the same sums, any width."""
+    check_kernel(case, kernel=lambda *args: chunk_o_bwd_mosaic(
+        *args, scale=case.key_dim ** -0.5, chunk_size=64, num_householder=case.m, interpret=True,
+        block_sizes=mosaic_bwd.BlockSizes(two_kernels=True)))
+
+
+def test_backward_block_sizes_rule_and_check():
+    assert not mosaic_bwd.default_block_sizes(128, 128).two_kernels
+    assert mosaic_bwd.default_block_sizes(192, 64).two_kernels
+    assert mosaic_bwd.default_block_sizes(64, 256).two_kernels
+    with pytest.raises(ValueError, match="one kernel takes K, V up to 128; got K = 256"):
+        mosaic_bwd.BlockSizes(two_kernels=False).check(256, 64)
 
 
 @needs_interpreter

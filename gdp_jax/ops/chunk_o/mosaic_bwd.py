@@ -35,6 +35,9 @@ to multiples of 64 up to 256). Ragged T is padded to whole chunks here.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -47,6 +50,29 @@ from gdp_jax._src.dispatch import MOSAIC_CHUNK_SIZE as CHUNK_SIZE
 from gdp_jax._src.dispatch import MOSAIC_TILE as TILE
 from gdp_jax._src.pallas import LN2
 from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_weights, stream_operands
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Launch form; ``default_block_sizes`` picks it per shape."""
+    two_kernels: bool        # the copies and state kernels instead of the one kernel
+
+    def check(self, key_dim: int, value_dim: int) -> None:
+        """Raises ValueError if the form does not fit a [K, V] problem."""
+        if not self.two_kernels and max(key_dim, value_dim) > ONE_KERNEL_WIDTH:
+            raise ValueError(f"one kernel takes K, V up to {ONE_KERNEL_WIDTH}; got K = {key_dim}, "
+                             f"V = {value_dim}")
+
+
+def default_block_sizes(key_dim: int, value_dim: int) -> BlockSizes:
+    """SMEM decides:
+
+    | shape class | choice | why |
+    |---|---|---|
+    | K, V <= 128 | one kernel | 193 KiB at K = V = 128, each input read once (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
+    | K or V > 128 | two kernels | one kernel's h and dh tiles alone are 256 KiB at K = V = 256 |
+    """
+    return BlockSizes(two_kernels=max(key_dim, value_dim) > ONE_KERNEL_WIDTH)
 
 
 def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, has_g: bool,
@@ -383,23 +409,25 @@ def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
 
 
 def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int,
-                       num_householder: int, interpret: bool = False):
+                       num_householder: int, interpret: bool = False,
+                       block_sizes: Optional[BlockSizes] = None):
     """(dq, dk, dv, dh, dg) for inputs ``dispatch.chunk_o_backward_implementation`` routes here,
     K and V padded to multiples of 64: dq, dk, dv in q's, k's, v's dtype, dh in h's, dg [B, T, H]
     float32 or None without g. Arguments as ``chunk_o_fwd_mosaic``'s, and do [B, T, H, V]. One
-    kernel up to K, V = ONE_KERNEL_WIDTH, two past it (module docstring)."""
+    kernel or two (module docstring): ``block_sizes``, default ``default_block_sizes``."""
     if chunk_size != CHUNK_SIZE:
         raise ValueError(f"the Mosaic GPU kernel takes chunk_size {CHUNK_SIZE}; got {chunk_size}")
     batch, tokens, heads, key_dim = q.shape
     value_dim, m, num_chunks = v.shape[-1], num_householder, h.shape[1]
     padded_tokens = num_chunks * chunk_size
+    sizes = block_sizes or default_block_sizes(key_dim, value_dim)
+    sizes.check(key_dim, value_dim)
     operands = stream_operands(q, k, v, h, g, runs, do.astype(v.dtype), num_householder=m,
                                chunk_size=chunk_size)
     q_, k_, v_, h_, do_ = operands[:5]
     g_ = operands[5] if g is not None else None
     runs_ = operands[-1] if runs is not None else None
-    backward = _one_kernel if max(key_dim, value_dim) <= ONE_KERNEL_WIDTH else _wide
-    dq, dk, dv, dh, dg = backward(q_, k_, v_, h_, g_, runs_, do_, scale=scale, tokens=tokens, m=m,
+    dq, dk, dv, dh, dg = (_wide if sizes.two_kernels else _one_kernel)(q_, k_, v_, h_, g_, runs_, do_, scale=scale, tokens=tokens, m=m,
                                   interpret=interpret)
     dk = dk.reshape(batch, padded_tokens * m, heads, key_dim)
     dv = dv.reshape(batch, padded_tokens * m, heads, value_dim)

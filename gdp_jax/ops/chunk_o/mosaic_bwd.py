@@ -75,6 +75,62 @@ def default_block_sizes(key_dim: int, value_dim: int) -> BlockSizes:
     return BlockSizes(two_kernels=max(key_dim, value_dim) > ONE_KERNEL_WIDTH)
 
 
+def _copy_chunk_rows(q_g, do_g, g_g, sr_g, q_s, do_s, g_s, sr_s, in_bar, b, hd, rows):
+    """Starts the copies of a program's q and do rows, its g twice (read per row and per column)
+    and its segment start rows, on barriers 0 (q), 1 (do), 2 and 3 (g), 4 (start rows); returns
+    the two g tiles, or None without g."""
+    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
+    plgpu.copy_gmem_to_smem(do_g.at[b, rows, hd], do_s, in_bar.at[1])
+    g_copies = None
+    if g_g is not None:
+        g_copies = (g_s.at[0], g_s.at[1])
+        for i, g_copy in enumerate(g_copies):
+            plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_copy, in_bar.at[2 + i])
+    if sr_g is not None:
+        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[4])
+    return g_copies
+
+
+def _pair_terms(rows_left, g_copies, sr_s, in_bar, interpret):
+    """(chunk weights, P ⊙ x as a function of x, the pairs strictly below the diagonal) once the
+    copies of ``_copy_chunk_rows`` land."""
+    w = chunk_weights(rows_left, g_copies, (in_bar.at[2], in_bar.at[3]), sr_s, in_bar.at[4],
+                      interpret)
+    t_ids, s_ids = w.ids
+    if g_copies is not None:
+        weigh = lambda x: x * w.pair_weight
+    else:
+        weigh = lambda x: jnp.where(w.pair_mask, x, 0.0)
+    return w, weigh, w.pair_mask & (s_ids < t_ids)
+
+
+def _add_z_sums(dg_row, dg_col, score, dpv_scaled, below_diagonal):
+    """dg_row + rowsum(Z), dg_col + colsum(Z) for Z = S_m ⊙ scale dpv_m strictly below the
+    diagonal (None: nothing summed yet)."""
+    z = jnp.where(below_diagonal, score * dpv_scaled, 0.0)
+    row, col = jnp.sum(z, axis=1), jnp.sum(z, axis=0)
+    return (row if dg_row is None else dg_row + row), (col if dg_col is None else dg_col + col)
+
+
+def _store_dv_dk(s_s, da_s, q_s, do_s, dv_s, dk_s, dv_dst, dk_dst, scale, interpret):
+    """dv_m = scale S_m^T @ do and dk_m = dA_m^T @ q from the staged S_m and dA_m, each through
+    its SMEM tile to ``*_dst`` (the tiles must have left from the previous copy)."""
+    dv_s[...] = (scale * mg.dot_tn(s_s, do_s, interpret)).astype(dv_s.dtype)
+    dk_s[...] = mg.dot_tn(da_s, q_s, interpret).astype(dk_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dv_s, dv_dst)
+    plgpu.copy_smem_to_gmem(dk_s, dk_dst)
+
+
+def _store_dg_parts(dg_s, dg_g, row, col, b, hd, rows):
+    """The dg row and column parts [BT] of a program through dg_s [2, BT] to dg_g[:, b, hd, rows]."""
+    dg_s.at[0][...] = row
+    dg_s.at[1][...] = col
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dg_s.at[0], dg_g.at[0, b, hd, rows])
+    plgpu.copy_smem_to_gmem(dg_s.at[1], dg_g.at[1, b, hd, rows])
+
+
 def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, has_g: bool,
             has_segments: bool, interpret: bool, scratch):
     m, bt = num_householder, CHUNK_SIZE
@@ -87,15 +143,8 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     hd, c, b = (lax.axis_index(n) for n in ("head", "chunk", "batch"))
     rows = pl.ds(c * bt, bt)
 
-    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
-    plgpu.copy_gmem_to_smem(do_g.at[b, rows, hd], do_s, in_bar.at[1])
-    plgpu.copy_gmem_to_smem(h_g.at[b, c, hd], h_s, in_bar.at[2])
-    g_copies = (g_s.at[0], g_s.at[1]) if has_g else None      # read per row, per column
-    if has_g:
-        for i, g_copy in enumerate(g_copies):
-            plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_copy, in_bar.at[3 + i])
-    if has_segments:
-        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[5])
+    g_copies = _copy_chunk_rows(q_g, do_g, g_g, sr_g, q_s, do_s, g_s, sr_s, in_bar, b, hd, rows)
+    plgpu.copy_gmem_to_smem(h_g.at[b, c, hd], h_s, in_bar.at[5])
 
     def load_k(copy):
         plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s, kv_bar.at[0])
@@ -105,18 +154,13 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     load_k(0)
     load_v(0)
 
-    w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[3], in_bar.at[4]),
-                      sr_s if has_segments else None, in_bar.at[5], interpret)
-    pair_mask, pair_weight, row_weight = w.pair_mask, w.pair_weight, w.row_weight
-    t_ids, s_ids = w.ids
-    below_diagonal = pair_mask & (s_ids < t_ids)
-
-    def weigh(x):                                   # P ⊙ x
-        return x * pair_weight if has_g else jnp.where(pair_mask, x, 0.0)
+    w, weigh, below_diagonal = _pair_terms(tokens - c * bt, g_copies, sr_s if has_segments else None,
+                                           in_bar, interpret)
+    row_weight = w.row_weight
 
     plgpu.barrier_wait(in_bar.at[0])
     plgpu.barrier_wait(in_bar.at[1])
-    plgpu.barrier_wait(in_bar.at[2])
+    plgpu.barrier_wait(in_bar.at[5])
     do = mg.tile(do_s, interpret).astype(jnp.float32)                       # [BT, V]
     row_scale = scale if row_weight is None else scale * row_weight
     row_scale_tile = (row_scale if row_weight is None
@@ -153,16 +197,11 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
             if copy + 1 < m:
                 load_k(copy + 1)
             plgpu.wait_smem_to_gmem(0)          # the previous copy's dk, dv have left SMEM
-            dv_s[...] = (scale * mg.dot_tn(s_s, do_s, interpret)).astype(dv_s.dtype)
-            dk_s[...] = mg.dot_tn(da_s, q_s, interpret).astype(dk_s.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dv_s, dv_g.at[b, rows, copy * heads + hd])
-            plgpu.copy_smem_to_gmem(dk_s, dk_g.at[b, rows, copy * heads + hd])
+            _store_dv_dk(s_s, da_s, q_s, do_s, dv_s, dk_s, dv_g.at[b, rows, copy * heads + hd],
+                         dk_g.at[b, rows, copy * heads + hd], scale, interpret)
             if has_g:
-                z = jnp.where(below_diagonal, score * (scale * dpv), 0.0)
-                dg_row_ = dg_row_ + jnp.sum(z, axis=1)
-                col = jnp.sum(z, axis=0)
-                dg_col_ = col if dg_col_ is None else dg_col_ + col
+                dg_row_, dg_col_ = _add_z_sums(dg_row_, dg_col_, score, scale * dpv,
+                                               below_diagonal)
         return dg_row_, dg_col_
 
     dq, (dg_row, dg_col) = mg.accumulate((bt, q_s.shape[1]), dq_body, interpret,
@@ -172,11 +211,7 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dk_s, dq_g.at[b, rows, hd])
     if has_g:
-        dg_s.at[0][...] = LN2 * dg_row
-        dg_s.at[1][...] = LN2 * dg_col
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dg_s.at[0], dg_g.at[0, b, hd, rows])
-        plgpu.copy_smem_to_gmem(dg_s.at[1], dg_g.at[1, b, hd, rows])
+        _store_dg_parts(dg_s, dg_g, LN2 * dg_row, LN2 * dg_col, b, hd, rows)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -192,27 +227,15 @@ def _copies_kernel(*refs, scale: float, tokens: int, num_householder: int, heads
     hd, c, b = (lax.axis_index(n) for n in ("head", "chunk", "batch"))
     rows = pl.ds(c * bt, bt)
 
-    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
-    plgpu.copy_gmem_to_smem(do_g.at[b, rows, hd], do_s, in_bar.at[1])
-    g_copies = (g_s.at[0], g_s.at[1]) if has_g else None      # read per row, per column
-    if has_g:
-        for i, g_copy in enumerate(g_copies):
-            plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_copy, in_bar.at[2 + i])
-    if has_segments:
-        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[4])
+    g_copies = _copy_chunk_rows(q_g, do_g, g_g, sr_g, q_s, do_s, g_s, sr_s, in_bar, b, hd, rows)
 
     def load_kv(copy):
         plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s, kv_bar.at[0])
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd], v_s, kv_bar.at[1])
     load_kv(0)
 
-    w = chunk_weights(tokens - c * bt, g_copies, (in_bar.at[2], in_bar.at[3]),
-                      sr_s if has_segments else None, in_bar.at[4], interpret)
-    t_ids, s_ids = w.ids
-    below_diagonal = w.pair_mask & (s_ids < t_ids)
-
-    def weigh(x):                                   # P ⊙ x
-        return x * w.pair_weight if has_g else jnp.where(w.pair_mask, x, 0.0)
+    _, weigh, below_diagonal = _pair_terms(tokens - c * bt, g_copies,
+                                           sr_s if has_segments else None, in_bar, interpret)
 
     plgpu.barrier_wait(in_bar.at[0])
     plgpu.barrier_wait(in_bar.at[1])
@@ -226,25 +249,16 @@ def _copies_kernel(*refs, scale: float, tokens: int, num_householder: int, heads
             load_kv(copy + 1)
         d_score = weigh(scale * dpv)                                         # dA_m
         if has_g:
-            z = jnp.where(below_diagonal, score * (scale * dpv), 0.0)
-            dg_row = jnp.sum(z, axis=1) if dg_row is None else dg_row + jnp.sum(z, axis=1)
-            dg_col = jnp.sum(z, axis=0) if dg_col is None else dg_col + jnp.sum(z, axis=0)
+            dg_row, dg_col = _add_z_sums(dg_row, dg_col, score, scale * dpv, below_diagonal)
         plgpu.wait_smem_to_gmem(0)                  # the previous copy's dA, dk, dv have left
         s_s[...] = score.astype(s_s.dtype)
         da_s[...] = d_score.astype(da_s.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(da_s, da_g.at[b, rows, copy * heads + hd])
-        dv_s[...] = (scale * mg.dot_tn(s_s, do_s, interpret)).astype(dv_s.dtype)
-        dk_s[...] = mg.dot_tn(da_s, q_s, interpret).astype(dk_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dv_s, dv_g.at[b, rows, copy * heads + hd])
-        plgpu.copy_smem_to_gmem(dk_s, dk_g.at[b, rows, copy * heads + hd])
+        _store_dv_dk(s_s, da_s, q_s, do_s, dv_s, dk_s, dv_g.at[b, rows, copy * heads + hd],
+                     dk_g.at[b, rows, copy * heads + hd], scale, interpret)
     if has_g:
-        dg_s.at[0][...] = dg_row
-        dg_s.at[1][...] = dg_col
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dg_s.at[0], dg_g.at[0, b, hd, rows])
-        plgpu.copy_smem_to_gmem(dg_s.at[1], dg_g.at[1, b, hd, rows])
+        _store_dg_parts(dg_s, dg_g, dg_row, dg_col, b, hd, rows)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -383,7 +397,7 @@ def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
         smem((key_dim, value_dim)), smem((bt, key_dim)), smem((bt, value_dim)),     # dh, dk, dv
         plgpu.SMEM((2, bt), jnp.float32), plgpu.SMEM((bt,), jnp.int32),             # g x2, starts
         plgpu.SMEM((2, bt), jnp.float32),                                            # dg parts
-        plgpu.Barrier(num_arrivals=1, num_barriers=6),               # q, do, h, g x2, starts
+        plgpu.Barrier(num_arrivals=1, num_barriers=6),               # q, do, g x2, starts, h
         plgpu.Barrier(num_arrivals=1, num_barriers=2),                              # k, v
     )
     out_type = (

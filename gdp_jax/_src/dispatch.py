@@ -17,7 +17,7 @@ Where a request cannot run as asked, it runs the next implementation down, never
 | "pallas" chunk_o, 4-byte inputs, K padded above 128, chunk 128 | "xla" (chunk_o only) | the [128, 256] f32 q and k tiles alone are 256 KiB; the forward asks 256 KiB of shared memory, the backward 288 KiB (227 KiB on an H200) |
 | "mosaic" chunk_o outside ``mosaic_supported`` (4-byte inputs, h of another dtype, chunk other than 64, K or V padded above 256) | the "pallas" rule, both directions | wgmma takes 16-bit operands in 64-row tiles; SMEM holds K, V up to 256 |
 | "pallas" chunk_o backward where the Mosaic one runs, K and V padded to at most 128 (jax >= 0.11) | the Mosaic GPU backward | 1.2-1.4x faster than the Triton backward on an H200 (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
-| "pallas" chunk_o backward, K or V padded above 128 | the Triton backward | the Mosaic one runs two kernels there (``mosaic_bwd``) and has not been timed against it |
+| "pallas" chunk_o backward, K or V padded above 128 | the Triton backward | the Mosaic one runs two kernels there (``mosaic_bwd``): 0.91x its time at gated K = 256 on an H100, two processes, not yet one (RESULTS.md, "The Mosaic backward past K, V = 128") |
 | "mosaic", the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
 | use_qk_l2norm under "pallas" / "interpret", rows not one power-of-two tile up to 256, or 2^31 elements or more | autodiff of the jnp formula | the backward kernel (``ops.l2norm``) takes one tile per row and 32-bit offsets |
 | use_qk_l2norm, the full op's forward when not differentiated, on the Triton kernels, at least 128 walk programs | q and k normalised inside the kernels (``l2norm_fused``) | two XLA passes fewer (RESULTS.md, "use_qk_l2norm") |

@@ -123,7 +123,7 @@ def _store_dv_dk(s_s, da_s, q_s, do_s, dv_s, dk_s, dv_dst, dk_dst, scale, interp
 
 
 def _store_dg_parts(dg_s, dg_g, row, col, b, hd, rows):
-    """The dg row and column parts [BT] of a program through dg_s [2, BT] to dg_g[:, b, hd, rows]."""
+    """A program's dg row and column parts [BT], through dg_s [2, BT], to dg_g[:, b, hd, rows]."""
     dg_s.at[0][...] = row
     dg_s.at[1][...] = col
     plgpu.commit_smem()
@@ -154,8 +154,8 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     load_k(0)
     load_v(0)
 
-    w, weigh, below_diagonal = _pair_terms(tokens - c * bt, g_copies, sr_s if has_segments else None,
-                                           in_bar, interpret)
+    w, weigh, below_diagonal = _pair_terms(tokens - c * bt, g_copies,
+                                           sr_s if has_segments else None, in_bar, interpret)
     row_weight = w.row_weight
 
     plgpu.barrier_wait(in_bar.at[0])
@@ -306,7 +306,7 @@ def _state_kernel(*refs, scale: float, tokens: int, num_householder: int, heads:
     plgpu.barrier_wait(in_bar.at[1])
     plgpu.barrier_wait(in_bar.at[2])
     dq1 = mg.dot_nt(do_s, h_s, interpret)                                   # [BT, 64]
-    h_s[...] = mg.dot_tn(wq_s, do_s, interpret).astype(h_s.dtype)           # dh[kb], through h's tile
+    h_s[...] = mg.dot_tn(wq_s, do_s, interpret).astype(h_s.dtype)           # dh[kb], via h's tile
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_s, dh_g.at[b, c, hd, keys])
     dg_part = jnp.sum(q * dq1, axis=1) * row_scale if has_g else None
@@ -441,7 +441,8 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     q_, k_, v_, h_, do_ = operands[:5]
     g_ = operands[5] if g is not None else None
     runs_ = operands[-1] if runs is not None else None
-    dq, dk, dv, dh, dg = (_wide if sizes.two_kernels else _one_kernel)(q_, k_, v_, h_, g_, runs_, do_, scale=scale, tokens=tokens, m=m,
+    backward = _wide if sizes.two_kernels else _one_kernel
+    dq, dk, dv, dh, dg = backward(q_, k_, v_, h_, g_, runs_, do_, scale=scale, tokens=tokens, m=m,
                                   interpret=interpret)
     dk = dk.reshape(batch, padded_tokens * m, heads, key_dim)
     dv = dv.reshape(batch, padded_tokens * m, heads, value_dim)

@@ -147,12 +147,18 @@ def broadcast_columns(x, shape):
     return lax.broadcast_in_dim(x, shape, (1,))
 
 
-def kernel(body, *, out_type, scratch_types, grid, grid_names, interpret: bool):
-    """``plgpu.kernel`` on one warpgroup per program, interpreted where asked."""
+def kernel(body, *, out_type, scratch_types, grid, grid_names, interpret: bool, **body_kwargs):
+    """``plgpu.kernel`` on one warpgroup per program, interpreted where asked.
+    It calls ``body(*operand_and_output_refs, scratch=scratch_refs, interpret=interpret,
+    **body_kwargs)``."""
     if interpret and interpret_params() is None:
         raise NotImplementedError("this jax has no Mosaic GPU interpreter; "
                                   "run implementation='mosaic' on a GPU")
-    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=grid,
+
+    def split(*refs):
+        n = len(refs) - len(scratch_types)
+        return body(*refs[:n], scratch=refs[n:], interpret=interpret, **body_kwargs)
+    return plgpu.kernel(split, out_type=out_type, scratch_types=scratch_types, grid=grid,
                         grid_names=grid_names,
                         interpret=interpret_params() if interpret else None)
 

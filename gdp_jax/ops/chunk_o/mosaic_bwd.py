@@ -337,14 +337,11 @@ def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
     tiles = mg.tile_transforms(dtype)
     smem = lambda *shape: plgpu.SMEM(shape, dtype, transforms=tiles)
     kwargs = dict(scale=scale, tokens=tokens, num_householder=m, heads=heads, has_g=has_g,
-                  has_segments=has_segments, interpret=interpret)
+                  has_segments=has_segments)
 
     def call(kernel, scratch, out_type, grid, grid_names, *operands):
-        def body(*refs):
-            n = len(refs) - len(scratch)
-            return kernel(*refs[:n], scratch=refs[n:], **kwargs)
-        return mg.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
-                         grid_names=grid_names, interpret=interpret)(*operands)
+        return mg.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
+                         grid_names=grid_names, interpret=interpret, **kwargs)(*operands)
 
     copies_scratch = (
         smem(bt, key_dim), smem(bt, value_dim), smem(bt, key_dim), smem(bt, value_dim),  # q do k v
@@ -408,15 +405,10 @@ def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
         jax.ShapeDtypeStruct((2, batch, heads, padded_tokens), jnp.float32),
     )
 
-    def body(*refs):
-        n = len(refs) - len(scratch)
-        return _kernel(*refs[:n], scratch=refs[n:], scale=scale, tokens=tokens,
-                       num_householder=m, heads=heads, has_g=g is not None,
-                       has_segments=runs is not None, interpret=interpret)
-
-    call = mg.kernel(body, out_type=out_type, scratch_types=scratch,
+    call = mg.kernel(_kernel, out_type=out_type, scratch_types=scratch,
                      grid=(heads, num_chunks, batch), grid_names=("head", "chunk", "batch"),
-                     interpret=interpret)
+                     interpret=interpret, scale=scale, tokens=tokens, num_householder=m,
+                     heads=heads, has_g=g is not None, has_segments=runs is not None)
     dq, dk, dv, dh, dg_parts = call(q, k, v, h, do, *(x for x in (g, runs) if x is not None))
     dg = None if g is None else jnp.moveaxis(dg_parts[0] - dg_parts[1], 1, 2)   # [B, Tp, H]
     return dq, dk, dv, dh, dg

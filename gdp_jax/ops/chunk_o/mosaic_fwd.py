@@ -240,14 +240,10 @@ def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
         plgpu.Barrier(num_arrivals=1, num_barriers=sizes.slots),             # v slots
     )
 
-    def body(*refs):
-        n = len(refs) - len(scratch)
-        return _kernel(*refs[:n], scratch=refs[n:], scale=scale, tokens=tokens,
-                       num_householder=m, heads=heads, has_g=g is not None,
-                       has_segments=runs is not None, sizes=sizes, interpret=interpret)
-
     call = mg.kernel(
-        body, out_type=jax.ShapeDtypeStruct((batch, padded_tokens, heads, value_dim), v.dtype),
+        _kernel, out_type=jax.ShapeDtypeStruct((batch, padded_tokens, heads, value_dim), v.dtype),
         scratch_types=scratch, grid=(value_dim // bv, heads, num_chunks, batch),
-        grid_names=("value", "head", "chunk", "batch"), interpret=interpret)
+        grid_names=("value", "head", "chunk", "batch"), interpret=interpret, scale=scale,
+        tokens=tokens, num_householder=m, heads=heads, has_g=g is not None,
+        has_segments=runs is not None, sizes=sizes)
     return call(*operands)[:, :tokens]

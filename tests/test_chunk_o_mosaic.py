@@ -186,7 +186,9 @@ def test_backward_routing_reaches_the_kernel():
 @pytest.mark.parametrize("dtype,h_dtype,key_dim,value_dim,chunk_size,mosaic", [
     ("bfloat16", "bfloat16", 128, 100, 64, True),
     ("float16", "float16", 64, 64, 64, True),
-    ("bfloat16", "bfloat16", 192, 128, 64, False),     # past 128: not timed against Triton
+    ("bfloat16", "bfloat16", 192, 128, 64, True),      # past 128: the two-kernel backward
+    ("bfloat16", "bfloat16", 256, 256, 64, True),
+    ("bfloat16", "bfloat16", 64, 320, 64, False),      # past 256: no Mosaic kernel
     ("bfloat16", "float32", 128, 128, 64, False),      # h of another dtype
     ("float32", "float32", 64, 64, 64, False),
     ("bfloat16", "bfloat16", 64, 64, 32, False),
@@ -194,7 +196,8 @@ def test_backward_routing_reaches_the_kernel():
 def test_pallas_takes_the_mosaic_backward_where_it_runs(dtype, h_dtype, key_dim, value_dim,
                                                        chunk_size, mosaic, monkeypatch):
     """"pallas" (None's choice on a GPU) runs chunk_o's backward on Mosaic GPU where that kernel
-    runs, on jax >= 0.11 (where it was run and timed), and the Triton backward elsewhere."""
+    runs (one kernel or two), on jax >= 0.11 (where it was run and timed), and the Triton
+    backward elsewhere."""
     assert dispatch.mosaic_backward_by_default() == (
         tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11))
     args = (jnp.dtype(dtype), key_dim, value_dim, chunk_size, jnp.dtype(h_dtype))

@@ -349,6 +349,8 @@ FULL_OP_CASES = [
     (Case(517, 200, 256, 2, 64, dtype="bfloat16", heads=2), False),    # K = 256 (padded): its walks' 8 warps
     (Case(517, 256, 192, 2, 128, dtype="bfloat16", heads=2), False),   # K = 256 at chunks 128 and 32: the
     (Case(333, 200, 256, 3, 32, dtype="bfloat16", heads=2), False),    # walks' rows for chunks other than 64
+    (Case(700, 256, 256, 3, 64, gated=False, dtype="float16", heads=2), False),  # chunk_o's two-kernel
+                                                                       # Mosaic backward under "pallas"
     # use_qk_l2norm: the normalisation's custom_vjp and backward kernel (raw q, k of varied norms).
     (Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4), True),
     (Case(333, 64, 32, 3, 64, heads=3), True),

@@ -16,8 +16,8 @@ Where a request cannot run as asked, it runs the next implementation down, never
 | "pallas", K or V padded above 256 | "xla" | every kernel was compiled (sm_90a) and run up to 256 |
 | "pallas" chunk_o, 4-byte inputs, K padded above 128, chunk 128 | "xla" (chunk_o only) | the [128, 256] f32 q and k tiles alone are 256 KiB; the forward asks 256 KiB of shared memory, the backward 288 KiB (227 KiB on an H200) |
 | "mosaic" chunk_o outside ``mosaic_supported`` (4-byte inputs, h of another dtype, chunk other than 64, K or V padded above 256) | the "pallas" rule, both directions | wgmma takes 16-bit operands in 64-row tiles; SMEM holds K, V up to 256 |
-| "pallas" chunk_o backward where the Mosaic one runs, K and V padded to at most 128 (jax >= 0.11) | the Mosaic GPU backward | 1.2-1.4x faster than the Triton backward on an H200 (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
-| "pallas" chunk_o backward, K or V padded above 128 | the Triton backward | the Mosaic one runs two kernels there (``mosaic_bwd``): 0.91x its time at gated K = 256 on an H100, two processes, not yet one (RESULTS.md, "The Mosaic backward past K, V = 128") |
+| "pallas" chunk_o backward where the Mosaic one runs, K and V padded to at most 128 (jax >= 0.11) | the Mosaic GPU backward, one kernel | 1.2-1.4x faster than the Triton backward on an H200 (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
+| "pallas" chunk_o backward where the Mosaic one runs, K or V padded above 128 (jax >= 0.11) | the Mosaic GPU backward, two kernels (``mosaic_bwd``) | at K = 256, chunk_o forward + backward on Mosaic GPU took 0.97-0.99x the Triton pair's time gated (M = 1..3), 0.90-0.94x ungated, one process on an H100, with the slower forward of the two (RESULTS.md, "The two-kernel Mosaic backward against the Triton one") |
 | "mosaic", the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
 | use_qk_l2norm under "pallas" / "interpret", rows not one power-of-two tile up to 256, or 2^31 elements or more | autodiff of the jnp formula | the backward kernel (``ops.l2norm``) takes one tile per row and 32-bit offsets |
 | use_qk_l2norm, the full op's forward when not differentiated, on the Triton kernels, at least 128 walk programs | q and k normalised inside the kernels (``l2norm_fused``) | two XLA passes fewer (RESULTS.md, "use_qk_l2norm") |
@@ -94,7 +94,6 @@ def mosaic_supported(dtype, h_dtype, key_dim: int, value_dim: int, chunk_size: i
 
 
 MOSAIC_BWD_ONE_KERNEL_WIDTH = 128   # one backward kernel's SMEM tiles: 193 KiB at K = V = 128
-MOSAIC_BWD_DEFAULT_MAX_WIDTH = 128  # where "pallas" takes the Mosaic backward: measured faster
 
 
 def chunk_o_backward_implementation(forward: str, dtype, key_dim: int, value_dim: int,
@@ -102,14 +101,13 @@ def chunk_o_backward_implementation(forward: str, dtype, key_dim: int, value_dim
     """What chunk_gdp_fwd_o's backward runs, given its forward's implementation (the answer of
     ``chunk_o_implementation`` for the same arguments): the Mosaic GPU backward where
     ``mosaic_backward_supported``, under "mosaic" and (measured faster, see the module's table)
-    under "pallas" up to MOSAIC_BWD_DEFAULT_MAX_WIDTH; else ``triton_counterpart``. "interpret"
+    under "pallas"; else ``triton_counterpart``. "interpret"
     keeps the Triton backward: it is the interpreter of the Triton kernels."""
     fits = mosaic_backward_supported(dtype, dtype if h_dtype is None else h_dtype, key_dim,
                                      value_dim, chunk_size)
     if forward in ("mosaic", "mosaic_interpret") and fits:
         return forward
-    if (forward == "pallas" and fits and mosaic_backward_by_default()
-            and _mosaic_width(key_dim, value_dim) <= MOSAIC_BWD_DEFAULT_MAX_WIDTH):
+    if forward == "pallas" and fits and mosaic_backward_by_default():
         return "mosaic"
     return triton_counterpart(forward)
 

@@ -71,11 +71,14 @@ def test_many_segments_and_one_token_chunk():
 
 @needs_interpreter
 @pytest.mark.parametrize("sizes", [BlockSizes(block_v=64, slots=1),
-                                   BlockSizes(block_v=64, slots=3)],
-                         ids=["one_slot", "three_slots"])
+                                   BlockSizes(block_v=64, slots=3),
+                                   BlockSizes(block_v=128, slots=1, h_in_copy_slots=True),
+                                   BlockSizes(block_v=64, slots=2, h_in_copy_slots=True)],
+                         ids=["one_slot", "three_slots", "h_in_one_slot", "h_in_two_slots"])
 def test_block_sizes_in_interpreter(sizes):
-    """The slot schedule (copies reusing a slot after both its reads) and value programs narrower
-    than V give the same outputs as the default launch."""
+    """The slot schedule (copies reusing a slot after both its reads), value programs narrower
+    than V, and h loaded into the slots once the copies are read give the same outputs as the
+    default launch."""
     case = Case(100, 64, 128, 3, 64, dtype="bfloat16", batch=1)
     p = build(case)
     q, k, v, h, g = p.chunk_o_args()
@@ -261,6 +264,36 @@ def test_compiled_form_lowers_for_cuda(case):
                                                         value_dim, 64) == "mosaic"
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     assert "mosaic_gpu" in module
+
+
+# Two programs per SM of an H100 / H200: 228 KiB of SMEM, less 1 KiB reserved per block, halved.
+TWO_PER_SM_BYTES = (228 * 1024 - 2 * 1024) // 2
+
+
+@pytest.mark.parametrize("key_dim,value_dim,m,sizes,fits", [
+    (256, 256, 3, BlockSizes(block_v=128, slots=1, h_in_copy_slots=True), True),
+    (256, 256, 2, BlockSizes(block_v=128, slots=1), False),
+    (256, 192, 2, BlockSizes(block_v=64, slots=1, h_in_copy_slots=True), True),
+])
+def test_h_in_copy_slots_fits_two_programs_per_sm(key_dim, value_dim, m, sizes, fits):
+    """The compiled forward's SMEM request (Mosaic GPU's own check, under an artificial limit):
+    with h aliased to the k and v slots, K = 256 fits two programs per SM; without, one."""
+    mosaic_core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
+    limit = getattr(mosaic_core, "artificial_shared_memory_limit", None)
+    if limit is None:
+        pytest.skip("this jax's Mosaic GPU has no artificial_shared_memory_limit")
+    spec = lambda *shape, dt="bfloat16": jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+    args = (spec(1, 128, 2, key_dim), spec(1, 128 * m, 2, key_dim), spec(1, 128 * m, 2, value_dim),
+            spec(1, 2, 2, key_dim, value_dim), spec(1, 128, 2, dt="float32"),
+            spec(1, 128, dt="int32"))
+    fn = lambda *a: chunk_o_fwd_mosaic(*a, scale=0.1, chunk_size=64, num_householder=m,
+                                       block_sizes=sizes)
+    with limit(TWO_PER_SM_BYTES):
+        if fits:
+            jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+        else:
+            with pytest.raises(ValueError, match="exceeds available shared memory"):
+                jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
 
 
 @pytest.mark.parametrize("dtype,h_dtype,key_dim,value_dim,chunk_size,want", [

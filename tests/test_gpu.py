@@ -21,6 +21,7 @@ import pytest
 
 import gdp_jax
 from gdp_jax._src import dispatch
+from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_h import chunk_h_pallas
 from gdp_jax.ops.chunk_o import pallas_bwd
 from gdp_jax.ops.wy import wy_bwd_pallas, wy_pallas, wy_xla
@@ -109,6 +110,26 @@ def test_chunk_o_forward_mosaic(case):
     assert_close(o, p.ref["o"], gpu_tol(case.dtype))
     # Against the Triton kernel on the same inputs: both accumulate in float32.
     assert rel_err(o, run_chunk_o(p, "pallas")) < 1e-2
+
+
+@pytest.mark.parametrize("case,sizes", [
+    (Case(2011, 128, 128, 3, 64, dtype="bfloat16", heads=4), (128, 1)),
+    (Case(333, 256, 256, 3, 64, dtype="bfloat16", heads=3), (128, 1)),
+    (Case(333, 256, 192, 2, 64, gated=False, dtype="float16", heads=3), (64, 2)),
+], ids=lambda x: case_id(x) if isinstance(x, Case) else "bv%d-slots%d" % x)
+def test_chunk_o_forward_mosaic_h_in_copy_slots(case, sizes):
+    """h's tile aliased with the k and v slots (plgpu.RefUnion, which the interpreter does not
+    run): the same bits as the unaliased launch, and the float64 recurrence."""
+    from gdp_jax.ops.chunk_o.mosaic_fwd import BlockSizes, chunk_o_fwd_mosaic
+    p = build(case)
+    q, k, v, h, g = p.chunk_o_args()
+    runs = segment_runs(jnp.asarray(p.segment_ids))
+    fn = lambda aliased: jax.jit(functools.partial(
+        chunk_o_fwd_mosaic, scale=p.scale, chunk_size=64, num_householder=case.m,
+        block_sizes=BlockSizes(*sizes, h_in_copy_slots=aliased)))(q, k, v, h, g, runs)
+    got, want = fn(True), fn(False)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert_close(got, p.ref["o"], gpu_tol(case.dtype))
 
 
 def test_chunk_o_mosaic_jit_vmap_grad():

@@ -137,6 +137,13 @@ def dot_tn(a_smem, b_smem, interpret: bool):
     return accumulate(shape, lambda mma: mma(a_smem, b_smem, transpose_a=True), interpret)
 
 
+def aliased(*groups, interpret: bool):
+    """Scratch whose groups of refs share SMEM (``plgpu.RefUnion``): the kernel must use them in
+    disjoint lifetimes, a group's data read only through the refs that wrote it. The interpreter
+    (which has no SMEM limit and no RefUnion) gets the groups as separate refs, the same tree."""
+    return tuple(groups) if interpret else plgpu.RefUnion(*groups)
+
+
 def broadcast_rows(x, shape):
     """[N] per-row values -> ``shape`` = [N, *]."""
     return lax.broadcast_in_dim(x, shape, (0,))

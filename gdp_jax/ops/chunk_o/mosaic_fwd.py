@@ -48,6 +48,9 @@ class BlockSizes:
     """Launch parameters; ``default_block_sizes`` picks them per shape."""
     block_v: int             # value columns of one program's h / v / o tiles
     slots: int = 2           # SMEM slots for the Householder copies' k and v tiles
+    # h's tile shares SMEM with the k and v slots (it loads once the last copy is read): less
+    # SMEM per program, so more programs per SM, for a serial chain within each.
+    h_in_copy_slots: bool = False
 
     def check(self, key_dim: int, value_dim: int, num_householder: int) -> None:
         """Raises ValueError if these sizes do not tile a [K, V] problem."""
@@ -149,7 +152,8 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
     g_g = refs[4] if has_g else None
     sr_g = refs[4 + has_g] if has_segments else None
     o_g = refs[-1]
-    (q_s, k_s, v_s, h_s, s_s, g_s, sr_s, in_bar, k_bar, v_bar) = scratch  # g_s: [2, BT]
+    (q_s, (h_s, (k_s, v_s)), s_s, g_s, sr_s, in_bar, k_bar, v_bar) = scratch  # g_s: [2, BT]
+    h_late = sizes.h_in_copy_slots
     vb, hd, c, b = (lax.axis_index(n) for n in ("value", "head", "chunk", "batch"))
     rows = pl.ds(c * bt, bt)
     cols = pl.ds(vb * bv, bv)
@@ -165,7 +169,11 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
     for copy in range(slots):
         load_k(copy, copy)
         load_v(copy, copy)
-    plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, :, cols], h_s, in_bar.at[1])
+    def load_h():
+        plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, :, cols], h_s, in_bar.at[1])
+
+    if not h_late:
+        load_h()
     g_copies = (g_s.at[0], g_s.at[1]) if has_g else None
     if has_g:
         for i, g_copy in enumerate(g_copies):
@@ -195,11 +203,13 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
                 load_v(copy + slots, slot)
     intra = mg.accumulate((bt, bv), copies, interpret)                      # [BT, BV] f32
 
+    if h_late:                                # every k and v copy is read (the products waited)
+        load_h()
     plgpu.barrier_wait(in_bar.at[1])
     state = mg.dot(q_s, h_s, interpret)                                     # [BT, BV] f32
     if row_weight is not None:
         state = state * mg.broadcast_rows(row_weight, state.shape)
-    o_s = v_s.at[0]                           # every v copy is read: o leaves through slot 0
+    o_s = v_s.at[0]                           # every v copy (and h) is read: o leaves through slot 0
     o_s[...] = (scale * (state + intra)).astype(o_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_s, o_g.at[b, rows, hd, cols])
@@ -227,11 +237,13 @@ def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
 
     dtype, bv, bt = q.dtype, sizes.block_v, chunk_size
     tiles = mg.tile_transforms(dtype)
+    h_tile = plgpu.SMEM((key_dim, bv), dtype, transforms=tiles)
+    copy_slots = (plgpu.SMEM((sizes.slots, bt, key_dim), dtype, transforms=tiles),      # k slots
+                  plgpu.SMEM((sizes.slots, bt, bv), dtype, transforms=tiles))           # v slots
     scratch = (
         plgpu.SMEM((bt, key_dim), dtype, transforms=tiles),                  # q
-        plgpu.SMEM((sizes.slots, bt, key_dim), dtype, transforms=tiles),     # k slots
-        plgpu.SMEM((sizes.slots, bt, bv), dtype, transforms=tiles),          # v slots
-        plgpu.SMEM((key_dim, bv), dtype, transforms=tiles),                  # h
+        (mg.aliased(h_tile, copy_slots, interpret=interpret) if sizes.h_in_copy_slots
+         else (h_tile, copy_slots)),
         plgpu.SMEM((bt, bt), dtype, transforms=tiles),                       # weighted scores
         plgpu.SMEM((2, bt), jnp.float32),                                    # g, twice
         plgpu.SMEM((bt,), jnp.int32),                                        # segment start rows

@@ -326,8 +326,12 @@ def test_default_block_sizes():
     assert default_block_sizes(64, 256, 3) == BlockSizes(block_v=128, slots=1)
     assert default_block_sizes(128, 192, 2) == BlockSizes(block_v=64, slots=1)
     assert default_block_sizes(64, 64, 2) == BlockSizes(block_v=64, slots=1)
-    assert default_block_sizes(256, 256, 1) == BlockSizes(block_v=128, slots=1)
-    assert default_block_sizes(256, 192, 3) == BlockSizes(block_v=64, slots=2)
+    assert default_block_sizes(256, 256, 1) == BlockSizes(block_v=128, slots=1,
+                                                          h_in_copy_slots=True)
+    assert default_block_sizes(256, 192, 3) == BlockSizes(block_v=64, slots=1,
+                                                          h_in_copy_slots=True)
+    assert default_block_sizes(192, 128, 2) == BlockSizes(block_v=128, slots=1,
+                                                          h_in_copy_slots=True)
     with pytest.raises(ValueError, match="block_v"):
         BlockSizes(block_v=96).check(128, 128, 2)
     with pytest.raises(ValueError, match="slots"):

@@ -1,7 +1,10 @@
 """Pallas kernel (Mosaic GPU lowering): the forward of chunk_gdp_fwd_o.
 
-The same sum as ``pallas_fwd`` (SPEC's chunked form), one program per (value block, head, chunk,
-batch) tile, one warpgroup each:
+The same sum as ``pallas_fwd`` (SPEC's chunked form), one program per (head, chunk, batch, value
+block) tile, one warpgroup each. The value block is the grid's last axis: Pallas' Mosaic GPU
+grid runs row-major (its last axis fastest), so the value programs of one chunk run side by side
+and only the first reads q and k from HBM, the others from L2. (The value axis first left 1.3x
+the time at K = 256: q and k read from HBM once per value block.)
 
     o[t] = scale * ( [same(t, c0)] 2^g[t] q[t]·h[c]
                      + sum_{s in [c0, t], same(s, t)} sum_{m < M} 2^(g[t]-g[s])
@@ -71,12 +74,12 @@ def default_block_sizes(key_dim: int, value_dim: int, num_householder: int) -> B
     | shape class | choice | why |
     |---|---|---|
     | K <= 128 | 128-wide value programs (64 where V is not a multiple of 128); one k/v slot | 88 KiB at K = V = 128: two programs per SM; two slots (120 KiB) leave one, 1.1-1.3x slower |
-    | K > 128 | the same widths, two slots | 200 KiB, one program per SM, yet 0.51x the time of 64-wide one-slot programs (112 KiB, two per SM): half the q and k re-reads |
+    | K > 128 | the same widths; one k/v slot, h in the slots (``h_in_copy_slots``) | 106 KiB at K = V = 256: two programs per SM, 0.986-0.994x the time of two slots without h in them (202 KiB, one per SM), RESULTS.md "The Mosaic grids' fastest axis"; 64-wide programs would read q and k twice as often |
     """
     block_v = 128 if value_dim % 128 == 0 else TILE       # V = 192: three 64-wide programs
     if key_dim <= 128:
         return BlockSizes(block_v=block_v, slots=1)
-    return BlockSizes(block_v=block_v, slots=min(num_householder, 2))
+    return BlockSizes(block_v=block_v, slots=1, h_in_copy_slots=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,8 +257,8 @@ def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
 
     call = mg.kernel(
         _kernel, out_type=jax.ShapeDtypeStruct((batch, padded_tokens, heads, value_dim), v.dtype),
-        scratch_types=scratch, grid=(value_dim // bv, heads, num_chunks, batch),
-        grid_names=("value", "head", "chunk", "batch"), interpret=interpret, scale=scale,
+        scratch_types=scratch, grid=(heads, num_chunks, batch, value_dim // bv),
+        grid_names=("head", "chunk", "batch", "value"), interpret=interpret, scale=scale,
         tokens=tokens, num_householder=m, heads=heads, has_g=g is not None,
         has_segments=runs is not None, sizes=sizes)
     return call(*operands)[:, :tokens]

@@ -88,7 +88,7 @@ def tile(ref, interpret: bool):
 def _operand(ref, transposed: bool, interpret: bool):
     if interpret:
         return ref[...].T if transposed else ref[...]
-    return plgpu.transpose_ref(ref, (1, 0)) if transposed else ref
+    return ref.transpose((1, 0)) if transposed else ref
 
 
 def accumulate(shape, body, interpret: bool, *, with_aux: bool = False):

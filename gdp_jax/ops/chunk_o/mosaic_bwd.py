@@ -28,8 +28,8 @@ so no program holds h whole or more than one [64, V] accumulator: 208 KiB of SME
 kernel at K = V = 256, 128 KiB for the state kernel at V = 256, M = 3. The state kernel reads q,
 k and dA_m (16-bit, [BT, BT] per copy) once more than the one-kernel form would. The key tile is
 the state grid's last axis, the fastest of Mosaic GPU's row-major grid: the tiles of one chunk
-run side by side, so do and dA_m come from HBM once per chunk, not once per tile (the key axis
-first left 1.19x the forward + backward time at K = 256).
+run side by side, so do and dA_m come from HBM once per chunk, not once per tile (RESULTS.md,
+"The Mosaic grids' fastest axis").
 
 Operands as in ``mosaic_fwd`` (k, v, dk, dv viewed as [B, T, M*H, *]; g as [B, H, T]).
 Supported (``dispatch.chunk_o_backward_implementation``): what the forward takes (K and V padded

@@ -3,8 +3,8 @@
 The same sum as ``pallas_fwd`` (SPEC's chunked form), one program per (head, chunk, batch, value
 block) tile, one warpgroup each. The value block is the grid's last axis: Pallas' Mosaic GPU
 grid runs row-major (its last axis fastest), so the value programs of one chunk run side by side
-and only the first reads q and k from HBM, the others from L2. (The value axis first left 1.3x
-the time at K = 256: q and k read from HBM once per value block.)
+and only the first reads q and k from HBM, the others from L2 (RESULTS.md, "The Mosaic grids'
+fastest axis").
 
     o[t] = scale * ( [same(t, c0)] 2^g[t] q[t]·h[c]
                      + sum_{s in [c0, t], same(s, t)} sum_{m < M} 2^(g[t]-g[s])

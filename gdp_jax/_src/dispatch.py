@@ -101,8 +101,8 @@ def chunk_o_backward_implementation(forward: str, dtype, key_dim: int, value_dim
     """What chunk_gdp_fwd_o's backward runs, given its forward's implementation (the answer of
     ``chunk_o_implementation`` for the same arguments): the Mosaic GPU backward where
     ``mosaic_backward_supported``, under "mosaic" and (measured faster, see the module's table)
-    under "pallas"; else ``triton_counterpart``. "interpret"
-    keeps the Triton backward: it is the interpreter of the Triton kernels."""
+    under "pallas"; else ``triton_counterpart``. "interpret" keeps the Triton backward: it is the
+    interpreter of the Triton kernels."""
     fits = mosaic_backward_supported(dtype, dtype if h_dtype is None else h_dtype, key_dim,
                                      value_dim, chunk_size)
     if forward in ("mosaic", "mosaic_interpret") and fits:

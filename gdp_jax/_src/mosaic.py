@@ -144,6 +144,13 @@ def aliased(*groups, interpret: bool):
     return tuple(groups) if interpret else plgpu.RefUnion(*groups)
 
 
+def wait_stores_read():
+    """Waits until every SMEM -> GMEM copy the program issued has read its SMEM tile, not until its
+    writes land: the tile may then be overwritten and the program may exit, and the writes complete
+    before the kernel does (as in jax's Mosaic GPU matmuls and CUTLASS's TMA-store epilogues)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def broadcast_rows(x, shape):
     """[N] per-row values -> ``shape`` = [N, *]."""
     return lax.broadcast_in_dim(x, shape, (0,))

@@ -216,7 +216,7 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
     o_s[...] = (scale * (state + intra)).astype(o_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_s, o_g.at[b, rows, hd, cols])
-    plgpu.wait_smem_to_gmem(0)
+    mg.wait_stores_read()
 
 
 def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,

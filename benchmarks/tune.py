@@ -243,10 +243,14 @@ class ChunkOBwdMosaic(ChunkOFwdMosaic):
             q, k, v, h, g, runs, do, interpret=interpret, block_sizes=sizes, **kw)
 
     def check(self, sizes, shape):
-        sizes.check(shape["K"], shape["V"])
+        sizes.check(shape["K"], shape["V"], shape["M"])
 
     def sweep(self, shape, default):
-        return [] if default.two_kernels else [dict(two_kernels=True)]
+        if default.two_kernels:
+            return []
+        # A second k / v slot outgrows SMEM at K = V = 128 (229 KiB).
+        slots = range(2, shape["M"] + 1) if max(shape["K"], shape["V"]) < 128 else ()
+        return [dict(two_kernels=True)] + [dict(slots=s) for s in slots]
 
 
 class Wy(Stage):

@@ -149,12 +149,28 @@ def test_backward_two_kernels_at_narrow_widths(case):
         block_sizes=mosaic_bwd.BlockSizes(two_kernels=True)))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("case,slots", [(Case(150, 64, 128, 3, 64, dtype="bfloat16"), 2),
+                                        (Case(100, 128, 64, 2, 64, dtype="float16", gated=False), 2),
+                                        (Case(64, 64, 64, 3, 64, dtype="bfloat16", segments=False), 3)],
+                         ids=lambda x: x if isinstance(x, int) else case_id(x))
+def test_backward_kv_slots(case, slots):
+    """The one kernel with several k / v slots (copy m in slot m % slots): the same sums."""
+    check_kernel(case, kernel=lambda *args: chunk_o_bwd_mosaic(
+        *args, scale=case.key_dim ** -0.5, chunk_size=64, num_householder=case.m, interpret=True,
+        block_sizes=mosaic_bwd.BlockSizes(two_kernels=False, slots=slots)))
+
+
 def test_backward_block_sizes_rule_and_check():
     assert not mosaic_bwd.default_block_sizes(128, 128).two_kernels
     assert mosaic_bwd.default_block_sizes(192, 64).two_kernels
     assert mosaic_bwd.default_block_sizes(64, 256).two_kernels
     with pytest.raises(ValueError, match="one kernel takes K, V up to 128; got K = 256"):
-        mosaic_bwd.BlockSizes(two_kernels=False).check(256, 64)
+        mosaic_bwd.BlockSizes(two_kernels=False).check(256, 64, 2)
+    with pytest.raises(ValueError, match=r"slots must be in \[1, M = 2\]; got 3"):
+        mosaic_bwd.BlockSizes(two_kernels=False, slots=3).check(64, 64, 2)
+    with pytest.raises(ValueError, match="the two kernels take 1"):
+        mosaic_bwd.BlockSizes(two_kernels=True, slots=2).check(64, 64, 2)
 
 
 @needs_interpreter

@@ -58,12 +58,17 @@ from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_weights, stream_operands
 class BlockSizes:
     """Launch form; ``default_block_sizes`` picks it per shape."""
     two_kernels: bool        # the copies and state kernels instead of the one kernel
+    slots: int = 1           # the one kernel's SMEM slots for the Householder copies' k and v
 
-    def check(self, key_dim: int, value_dim: int) -> None:
-        """Raises ValueError if the form does not fit a [K, V] problem."""
+    def check(self, key_dim: int, value_dim: int, num_householder: int) -> None:
+        """Raises ValueError if the form does not fit a [K, V] problem of M copies."""
         if not self.two_kernels and max(key_dim, value_dim) > ONE_KERNEL_WIDTH:
             raise ValueError(f"one kernel takes K, V up to {ONE_KERNEL_WIDTH}; got K = {key_dim}, "
                              f"V = {value_dim}")
+        if not 1 <= self.slots <= max(num_householder, 1):
+            raise ValueError(f"slots must be in [1, M = {num_householder}]; got {self.slots}")
+        if self.two_kernels and self.slots != 1:
+            raise ValueError(f"slots are the one kernel's; the two kernels take 1, got {self.slots}")
 
 
 def default_block_sizes(key_dim: int, value_dim: int) -> BlockSizes:
@@ -134,7 +139,7 @@ def _store_dg_parts(dg_s, dg_g, row, col, b, hd, rows):
 
 
 def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, has_g: bool,
-            has_segments: bool, interpret: bool, scratch):
+            has_segments: bool, slots: int, interpret: bool, scratch):
     m, bt = num_householder, CHUNK_SIZE
     q_g, k_g, v_g, h_g, do_g = refs[:5]
     g_g = refs[5] if has_g else None
@@ -148,13 +153,18 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     g_copies = _copy_chunk_rows(q_g, do_g, g_g, sr_g, q_s, do_s, g_s, sr_s, in_bar, b, hd, rows)
     plgpu.copy_gmem_to_smem(h_g.at[b, c, hd], h_s, in_bar.at[5])
 
+    # Copy m's k and v tiles go to slot m % slots, on barriers slot (k) and slots + slot (v).
     def load_k(copy):
-        plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s, kv_bar.at[0])
+        slot = copy % slots
+        plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s.at[slot], kv_bar.at[slot])
 
     def load_v(copy):
-        plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd], v_s, kv_bar.at[1])
-    load_k(0)
-    load_v(0)
+        slot = copy % slots
+        plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd], v_s.at[slot],
+                                kv_bar.at[slots + slot])
+    for copy in range(slots):
+        load_k(copy)
+        load_v(copy)
 
     w, weigh, below_diagonal = _pair_terms(tokens - c * bt, g_copies,
                                            sr_s if has_segments else None, in_bar, interpret)
@@ -183,22 +193,24 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
         dg_row_, dg_col_ = dg_row, dg_col
         mma(wdo_s, h_s, transpose_b=True)
         for copy in range(m):
-            plgpu.barrier_wait(kv_bar.at[0])
-            plgpu.barrier_wait(kv_bar.at[1])
-            # The next copy's k and v load as soon as their tiles are read (every product
-            # waits), so each copy overlaps the products that follow the last read.
-            score = weigh(mg.dot_nt(q_s, k_s, interpret))                   # S_m [BT, BT]
-            dpv = mg.dot_nt(do_s, v_s, interpret)                            # [BT, BT]
-            if copy + 1 < m:
-                load_v(copy + 1)
+            slot = copy % slots
+            k_m, v_m = k_s.at[slot], v_s.at[slot]
+            plgpu.barrier_wait(kv_bar.at[slot])
+            plgpu.barrier_wait(kv_bar.at[slots + slot])
+            # Copy m + slots's k and v load into this slot as soon as its tiles are read (every
+            # product waits), so each copy overlaps the products that follow the last read.
+            score = weigh(mg.dot_nt(q_s, k_m, interpret))                   # S_m [BT, BT]
+            dpv = mg.dot_nt(do_s, v_m, interpret)                            # [BT, BT]
+            if copy + slots < m:
+                load_v(copy + slots)
             d_score = weigh(scale * dpv)                                     # dA_m
             s_s[...] = score.astype(s_s.dtype)
             da_s[...] = d_score.astype(da_s.dtype)
             plgpu.commit_smem()
-            mma(da_s, k_s)
-            if copy + 1 < m:
-                load_k(copy + 1)
-            plgpu.wait_smem_to_gmem(0)          # the previous copy's dk, dv have left SMEM
+            mma(da_s, k_m)
+            if copy + slots < m:
+                load_k(copy + slots)
+            mg.wait_stores_read()    # the previous copy's dk, dv have left SMEM
             _store_dv_dk(s_s, da_s, q_s, do_s, dv_s, dk_s, dv_g.at[b, rows, copy * heads + hd],
                          dk_g.at[b, rows, copy * heads + hd], scale, interpret)
             if has_g:
@@ -208,13 +220,13 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
 
     dq, (dg_row, dg_col) = mg.accumulate((bt, q_s.shape[1]), dq_body, interpret,
                                          with_aux=True)                     # dq [BT, K]
-    plgpu.wait_smem_to_gmem(0)                  # dh, dk, dv have left SMEM
+    mg.wait_stores_read()            # dh, dk, dv have left SMEM
     dk_s[...] = dq.astype(dk_s.dtype)          # dk's tile is free: dq leaves through it
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dk_s, dq_g.at[b, rows, hd])
     if has_g:
         _store_dg_parts(dg_s, dg_g, LN2 * dg_row, LN2 * dg_col, b, hd, rows)
-    plgpu.wait_smem_to_gmem(0)
+    mg.wait_stores_read()
 
 
 def _copies_kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
@@ -252,7 +264,7 @@ def _copies_kernel(*refs, scale: float, tokens: int, num_householder: int, heads
         d_score = weigh(scale * dpv)                                         # dA_m
         if has_g:
             dg_row, dg_col = _add_z_sums(dg_row, dg_col, score, scale * dpv, below_diagonal)
-        plgpu.wait_smem_to_gmem(0)                  # the previous copy's dA, dk, dv have left
+        mg.wait_stores_read()            # the previous copy's dA, dk, dv have left
         s_s[...] = score.astype(s_s.dtype)
         da_s[...] = d_score.astype(da_s.dtype)
         plgpu.commit_smem()
@@ -261,7 +273,7 @@ def _copies_kernel(*refs, scale: float, tokens: int, num_householder: int, heads
                      dk_g.at[b, rows, copy * heads + hd], scale, interpret)
     if has_g:
         _store_dg_parts(dg_s, dg_g, dg_row, dg_col, b, hd, rows)
-    plgpu.wait_smem_to_gmem(0)
+    mg.wait_stores_read()
 
 
 def _state_kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
@@ -326,7 +338,7 @@ def _state_kernel(*refs, scale: float, tokens: int, num_householder: int, heads:
         dg_s[...] = dg_part
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dg_s, dg_g.at[kb, b, hd, rows])
-    plgpu.wait_smem_to_gmem(0)
+    mg.wait_stores_read()
 
 
 def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
@@ -382,7 +394,7 @@ def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
     return dq, dk, dv, dh, dg
 
 
-def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
+def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, slots, interpret):
     """The one-kernel backward (K, V up to ONE_KERNEL_WIDTH) on ``stream_operands``' inputs."""
     batch, padded_tokens, heads, key_dim = q.shape
     value_dim, num_chunks, bt = v.shape[-1], h.shape[1], CHUNK_SIZE
@@ -391,13 +403,13 @@ def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
     smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=tiles)
     scratch = (
         smem((bt, key_dim)), smem((bt, value_dim)), smem((key_dim, value_dim)),     # q, do, h
-        smem((bt, key_dim)), smem((bt, value_dim)),                                  # k, v
+        smem((slots, bt, key_dim)), smem((slots, bt, value_dim)),                    # k, v slots
         smem((bt, value_dim)), smem((bt, bt)), smem((bt, bt)),                       # wdo, S, dA
         smem((key_dim, value_dim)), smem((bt, key_dim)), smem((bt, value_dim)),     # dh, dk, dv
         plgpu.SMEM((2, bt), jnp.float32), plgpu.SMEM((bt,), jnp.int32),             # g x2, starts
         plgpu.SMEM((2, bt), jnp.float32),                                            # dg parts
         plgpu.Barrier(num_arrivals=1, num_barriers=6),               # q, do, g x2, starts, h
-        plgpu.Barrier(num_arrivals=1, num_barriers=2),                              # k, v
+        plgpu.Barrier(num_arrivals=1, num_barriers=2 * slots),              # k slots, v slots
     )
     out_type = (
         jax.ShapeDtypeStruct((batch, padded_tokens, heads, key_dim), q.dtype),
@@ -410,7 +422,7 @@ def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
     call = mg.kernel(_kernel, out_type=out_type, scratch_types=scratch,
                      grid=(heads, num_chunks, batch), grid_names=("head", "chunk", "batch"),
                      interpret=interpret, scale=scale, tokens=tokens, num_householder=m,
-                     heads=heads, has_g=g is not None, has_segments=runs is not None)
+                     heads=heads, has_g=g is not None, has_segments=runs is not None, slots=slots)
     dq, dk, dv, dh, dg_parts = call(q, k, v, h, do, *(x for x in (g, runs) if x is not None))
     dg = None if g is None else jnp.moveaxis(dg_parts[0] - dg_parts[1], 1, 2)   # [B, Tp, H]
     return dq, dk, dv, dh, dg
@@ -429,15 +441,16 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     value_dim, m, num_chunks = v.shape[-1], num_householder, h.shape[1]
     padded_tokens = num_chunks * chunk_size
     sizes = block_sizes or default_block_sizes(key_dim, value_dim)
-    sizes.check(key_dim, value_dim)
+    sizes.check(key_dim, value_dim, m)
     operands = stream_operands(q, k, v, h, g, runs, do.astype(v.dtype), num_householder=m,
                                chunk_size=chunk_size)
     q_, k_, v_, h_, do_ = operands[:5]
     g_ = operands[5] if g is not None else None
     runs_ = operands[-1] if runs is not None else None
-    backward = _wide if sizes.two_kernels else _one_kernel
-    dq, dk, dv, dh, dg = backward(q_, k_, v_, h_, g_, runs_, do_, scale=scale, tokens=tokens, m=m,
-                                  interpret=interpret)
+    args = (q_, k_, v_, h_, g_, runs_, do_)
+    kw = dict(scale=scale, tokens=tokens, m=m, interpret=interpret)
+    dq, dk, dv, dh, dg = (_wide(*args, **kw) if sizes.two_kernels
+                          else _one_kernel(*args, slots=sizes.slots, **kw))
     dk = dk.reshape(batch, padded_tokens * m, heads, key_dim)
     dv = dv.reshape(batch, padded_tokens * m, heads, value_dim)
     return (dq[:, :tokens], dk[:, :tokens * m], dv[:, :tokens * m], dh,

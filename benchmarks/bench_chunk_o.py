@@ -240,7 +240,7 @@ def backward_shape(row, problems, shp, args, ctx):
         elif ours != "xla":
             row["bwd_kernel_error"] = "K and V must be powers of two >= 16 for the kernel alone"
         mosaic = next((i for i in ("mosaic", "mosaic_interpret") if i in args.impls), None)
-        mosaic_widths = all(n % 64 == 0 and n <= 128 for n in (shp["K"], shp["V"]))
+        mosaic_widths = all(n % 64 == 0 and n <= 256 for n in (shp["K"], shp["V"]))
         if mosaic and mosaic_widths and args.chunk == 64 and p0.q.dtype.itemsize == 2:
             time_into_row(row, {"mosaic_bwd_kernel": bwd_kernel_fn(mosaic, shp, args.chunk)},
                           kernel_args, args, phases, floor=row["bwd_floor_ms"])

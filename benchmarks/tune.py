@@ -234,7 +234,7 @@ class ChunkOBwdMosaic(ChunkOFwdMosaic):
 
     def default(self, shape, p):
         from gdp_jax.ops.chunk_o import mosaic_bwd
-        return mosaic_bwd.default_block_sizes(shape["K"], shape["V"])
+        return mosaic_bwd.default_block_sizes(shape["K"], shape["V"], shape["M"])
 
     def call(self, sizes, options, shape, p, interpret):
         from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
@@ -249,8 +249,9 @@ class ChunkOBwdMosaic(ChunkOFwdMosaic):
         if default.two_kernels:
             return []
         # A second k / v slot outgrows SMEM at K = V = 128 (229 KiB).
-        slots = range(2, shape["M"] + 1) if max(shape["K"], shape["V"]) < 128 else ()
-        return [dict(two_kernels=True)] + [dict(slots=s) for s in slots]
+        most = shape["M"] if max(shape["K"], shape["V"]) < 128 else 1
+        return ([dict(two_kernels=True, slots=1)]
+                + [dict(slots=s) for s in range(1, most + 1) if s != default.slots])
 
 
 class Wy(Stage):

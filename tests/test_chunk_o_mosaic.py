@@ -162,9 +162,14 @@ def test_backward_kv_slots(case, slots):
 
 
 def test_backward_block_sizes_rule_and_check():
-    assert not mosaic_bwd.default_block_sizes(128, 128).two_kernels
-    assert mosaic_bwd.default_block_sizes(192, 64).two_kernels
-    assert mosaic_bwd.default_block_sizes(64, 256).two_kernels
+    rule = mosaic_bwd.default_block_sizes
+    assert rule(128, 128, 2) == mosaic_bwd.BlockSizes(two_kernels=False, slots=1)
+    assert rule(64, 64, 2) == mosaic_bwd.BlockSizes(two_kernels=False, slots=2)
+    assert rule(64, 64, 3) == mosaic_bwd.BlockSizes(two_kernels=False, slots=2)
+    assert rule(64, 64, 1) == mosaic_bwd.BlockSizes(two_kernels=False, slots=1)
+    assert rule(64, 128, 3) == mosaic_bwd.BlockSizes(two_kernels=False, slots=1)
+    assert rule(192, 64, 2) == mosaic_bwd.BlockSizes(two_kernels=True)
+    assert rule(64, 256, 3) == mosaic_bwd.BlockSizes(two_kernels=True)
     with pytest.raises(ValueError, match="one kernel takes K, V up to 128; got K = 256"):
         mosaic_bwd.BlockSizes(two_kernels=False).check(256, 64, 2)
     with pytest.raises(ValueError, match=r"slots must be in \[1, M = 2\]; got 3"):

@@ -246,6 +246,8 @@ def test_chunk_o_bwd_shapes(case):
     Case(1000, 128, 128, 3, 64, gated=False, segments=False, dtype="bfloat16", heads=4),
     Case(1000, 64, 64, 1, 64, segments=False, dtype="float16", heads=4),
     Case(333, 96, 48, 2, 64, dtype="bfloat16", heads=3),       # widths padded to 64
+    # K, V <= 64 and M >= 2: two k / v slots, copy 2 back in the first.
+    Case(700, 48, 64, 3, 64, dtype="bfloat16", heads=3),
     # Past 128: the two-kernel form.
     Case(1000, 256, 256, 2, 64, dtype="bfloat16", heads=2),
     Case(1000, 256, 256, 3, 64, gated=False, segments=False, dtype="bfloat16", heads=2),
@@ -254,7 +256,7 @@ def test_chunk_o_bwd_shapes(case):
 ], ids=case_id)
 def test_chunk_o_bwd_mosaic(case):
     """The compiled Mosaic GPU backward on kernel_inputs against float64 autodiff of the dense
-    form: one kernel up to K, V = 128, two past it."""
+    form: one kernel up to K, V = 128 (two k / v slots up to 64), two past it."""
     check_chunk_o_bwd_mosaic(case)
 
 

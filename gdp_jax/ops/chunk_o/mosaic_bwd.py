@@ -71,15 +71,19 @@ class BlockSizes:
             raise ValueError(f"slots are the one kernel's; the two kernels take 1, got {self.slots}")
 
 
-def default_block_sizes(key_dim: int, value_dim: int) -> BlockSizes:
+def default_block_sizes(key_dim: int, value_dim: int, num_householder: int) -> BlockSizes:
     """SMEM decides:
 
     | shape class | choice | why |
     |---|---|---|
-    | K, V <= 128 | one kernel | 193 KiB at K = V = 128, each input read once (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
+    | K, V <= 64, M >= 2 | one kernel, two k / v slots | 104 KiB, still two programs per SM; 0.989-0.993x the time of one slot (RESULTS.md, "Read-only store waits; k / v slots") |
+    | K, V <= 128 | one kernel, one k / v slot | 193 KiB at K = V = 128, each input read once (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU"); a second slot needs 229 KiB |
     | K or V > 128 | two kernels | one kernel's h and dh tiles alone are 256 KiB at K = V = 256 |
     """
-    return BlockSizes(two_kernels=max(key_dim, value_dim) > ONE_KERNEL_WIDTH)
+    if max(key_dim, value_dim) > ONE_KERNEL_WIDTH:
+        return BlockSizes(two_kernels=True)
+    two_slots = max(key_dim, value_dim) <= TILE and num_householder >= 2
+    return BlockSizes(two_kernels=False, slots=2 if two_slots else 1)
 
 
 def _copy_chunk_rows(q_g, do_g, g_g, sr_g, q_s, do_s, g_s, sr_s, in_bar, b, hd, rows):
@@ -440,7 +444,7 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     batch, tokens, heads, key_dim = q.shape
     value_dim, m, num_chunks = v.shape[-1], num_householder, h.shape[1]
     padded_tokens = num_chunks * chunk_size
-    sizes = block_sizes or default_block_sizes(key_dim, value_dim)
+    sizes = block_sizes or default_block_sizes(key_dim, value_dim, m)
     sizes.check(key_dim, value_dim, m)
     operands = stream_operands(q, k, v, h, g, runs, do.astype(v.dtype), num_householder=m,
                                chunk_size=chunk_size)

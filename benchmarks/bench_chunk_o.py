@@ -24,8 +24,9 @@ same buffers through dlpack; common.measure has the method):
 * --bwd: forward + backward through jax.vjp of the public op (o and the cotangents of q, k, v, h,
   g for cotangent do) per --impls (mosaic in its own columns), against its floor (the forward's bytes plus the backward's:
   q, k, v, h, g, do read once, dq, dk, dv, dh, dg written once), and the jnp path's VJP; the
-  backward kernel alone (ops.chunk_o.pallas_bwd.chunk_o_bwd_pallas) against the backward's floor,
-  and the forward, for bwd / fwd. Max relative error of the cotangents against the jnp VJP.
+  backward kernel alone (ops.chunk_o.pallas_bwd.chunk_o_bwd_pallas; with mosaic in --impls also
+  ops.chunk_o.mosaic_bwd.chunk_o_bwd_mosaic) against the backward's floor, and the forward, for
+  bwd / fwd. Max relative error of the cotangents against the jnp VJP.
 * --rested: ours (and the baseline, and fla) back to back (the forward mode's loops) against
   rested: --bursts loops of about --burst-ms each after --rest idle seconds, so the card starts
   each at full clock; the SM clock and power-cap share of each (nvidia-smi).

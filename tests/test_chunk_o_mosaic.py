@@ -153,7 +153,7 @@ def test_backward_two_kernels_at_narrow_widths(case):
 @pytest.mark.parametrize("case,slots", [(Case(150, 64, 128, 3, 64, dtype="bfloat16"), 2),
                                         (Case(100, 128, 64, 2, 64, dtype="float16", gated=False), 2),
                                         (Case(64, 64, 64, 3, 64, dtype="bfloat16", segments=False), 3)],
-                         ids=lambda x: x if isinstance(x, int) else case_id(x))
+                         ids=lambda x: f"slots{x}" if isinstance(x, int) else case_id(x))
 def test_backward_kv_slots(case, slots):
     """The one kernel with several k / v slots (copy m in slot m % slots): the same sums."""
     check_kernel(case, kernel=lambda *args: chunk_o_bwd_mosaic(

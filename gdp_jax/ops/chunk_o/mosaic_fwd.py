@@ -161,20 +161,23 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
     rows = pl.ds(c * bt, bt)
     cols = pl.ds(vb * bv, bv)
 
-    def load_k(copy, slot):
+    # Copy m's k and v tiles go to slot m % slots.
+    def load_k(copy):
+        slot = copy % slots
         plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s.at[slot], k_bar.at[slot])
 
-    def load_v(copy, slot):
+    def load_v(copy):
+        slot = copy % slots
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd, cols], v_s.at[slot],
                                 v_bar.at[slot])
 
-    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
-    for copy in range(slots):
-        load_k(copy, copy)
-        load_v(copy, copy)
     def load_h():
         plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, :, cols], h_s, in_bar.at[1])
 
+    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
+    for copy in range(slots):
+        load_k(copy)
+        load_v(copy)
     if not h_late:
         load_h()
     g_copies = (g_s.at[0], g_s.at[1]) if has_g else None
@@ -196,14 +199,14 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
             plgpu.barrier_wait(k_bar.at[slot])
             score = mg.dot_nt(q_s, k_s.at[slot], interpret)                 # [BT, BT] f32
             if copy + slots < m:              # k's slot is read (the product waited)
-                load_k(copy + slots, slot)
+                load_k(copy + slots)
             score = score * pair_weight if has_g else jnp.where(pair_mask, score, 0.0)
             s_s[...] = score.astype(s_s.dtype)  # free: the last mma that read it waited
             plgpu.commit_smem()               # the register stores, visible to wgmma's reads
             plgpu.barrier_wait(v_bar.at[slot])
             mma(s_s, v_s.at[slot])
             if copy + slots < m:              # v's slot is read (mma waited)
-                load_v(copy + slots, slot)
+                load_v(copy + slots)
     intra = mg.accumulate((bt, bv), copies, interpret)                      # [BT, BV] f32
 
     if h_late:                                # every k and v copy is read (the products waited)

@@ -9,7 +9,7 @@ import pytest
 
 from gdp_jax._src import dispatch
 from gdp_jax.ops.l2norm import l2norm
-from cases import assert_close, seed_of, tolerance
+from cases import assert_close, seed_of, to64, tolerance
 
 
 def _l2norm64(x):
@@ -34,8 +34,11 @@ def test_against_float64(shape, dtype):
 
     y, vjp = jax.vjp(lambda x: l2norm(x, "interpret"), x)
     (dx,) = vjp(dy)
-    y64, vjp64 = jax.vjp(_l2norm64, jnp.asarray(x, jnp.float64))
-    (dx64,) = vjp64(jnp.asarray(dy, jnp.float64))
+    with jax.enable_x64(True):
+        y64, vjp64 = jax.vjp(_l2norm64, jnp.asarray(to64(x)))
+        (dx64,) = vjp64(jnp.asarray(to64(dy)))
+        y64, dx64 = np.asarray(y64), np.asarray(dx64)
+    assert dx64.dtype == np.float64
     chex.assert_type([y, dx], [x.dtype, x.dtype])
     chex.assert_shape([y, dx], shape)
     assert_close(y, y64, tolerance(dtype), "y")

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdp_jax._src.layout import l2norm, l2norm_factor
 from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.cumsum import expanded_log2_decays
 from gdp_jax.ops.wy import unit_lower_inverse, wy_bwd_pallas, wy_bwd_xla, wy_pallas, wy_xla
@@ -371,6 +372,84 @@ def test_wy_bwd_walk_share_gates():
     chex.assert_trees_all_equal(got[:3], base[:3])
     ungated = primals[:3] + (None,) + primals[4:]
     chex.assert_trees_all_equal(call(ungated, walk_share_gates=True), call(ungated))
+
+
+def _pull_back(t, x, sub_chunk):
+    """T^T x per sub-chunk in float64 (T the forward's inverse [B, P, H, S]), as float32."""
+    batch, positions, heads, _ = t.shape
+    blocks = np.asarray(t, np.float64).reshape(batch, positions // sub_chunk, sub_chunk, heads,
+                                               sub_chunk)
+    x = np.asarray(x, np.float64).reshape(batch, positions // sub_chunk, sub_chunk, heads, -1)
+    y = np.einsum("bsjhi,bsjhd->bsihd", blocks, x)
+    return jnp.asarray(y.reshape(batch, positions, heads, -1), jnp.float32)
+
+
+# (sub_chunk, g, segments, dtype, rhs_cotangents, kernel options): key_factor on both routes to
+# k·dRw (directly from dRw, and as colsum(T ∘ dW K^T)), with and without the walk's share gates,
+# the 16-bit operands of bfloat16 inputs, and column blocks narrower than K.
+NORMALIZED_CASES = {
+    "S32-g-seg-f32": (32, True, True, "float32", False, dict(walk_share_gates=True)),
+    "S16-f32-tf32-rhs": (16, False, False, "float32", True, dict(precision=None)),
+    "S64-g-seg-bf16-rhs": (64, True, True, "bfloat16", True,
+                           dict(operand_dtype=jnp.bfloat16, walk_share_gates=True,
+                                out_dtype=jnp.bfloat16)),
+    "S32-g-f32-cols16": (32, True, False, "float32", False,
+                         dict(block_sizes=BlockSizes(block_cols=16))),
+}
+
+
+@pytest.mark.parametrize("name", list(NORMALIZED_CASES))
+def test_wy_bwd_key_factor(name):
+    """key_factor: given l2norm's rows k = r x of raw keys x and their factors r, dk is the
+    cotangent of x, every dk share included: float64 autodiff of x -> (wy_dense(l2norm(x)),
+    l2norm(x)) with cotangents (dw, du, the shares' sum). dv, dbeta and dgamma are the plain
+    call's (the same k), up to the order of the row sums."""
+    sub_chunk, gated, segments, dtype, rhs, kw = NORMALIZED_CASES[name]
+    primals, (dw, du) = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=3 if sub_chunk < 64 else 2,
+                                    key_dim=32, value_dim=64, gated=gated, segments=segments,
+                                    dtype=dtype)
+    _, v, beta, gamma, runs = primals
+    rng = np.random.default_rng(seed_of("wy_key_factor", name))
+    x = rng.normal(size=primals[0].shape) * rng.uniform(0.3, 3.0, size=primals[0].shape[:3] + (1,))
+    x = jnp.asarray(x, dtype)
+    r = l2norm_factor(x)
+    k = l2norm(x)
+    normalized = (k,) + primals[1:]
+    shares = tuple(jnp.asarray(rng.normal(size=k.shape), t) for t in (jnp.float32, dtype))
+    t = _forward(normalized, sub_chunk, out_dtype=k.dtype, return_inverse=True)[2]
+    cot = (_pull_back(t, dw, sub_chunk), _pull_back(t, du, sub_chunk)) if rhs else (dw, du)
+    call = lambda **extra: jax.jit(functools.partial(
+        wy_bwd_pallas, sub_chunk=sub_chunk, interpret=True, rhs_cotangents=rhs,
+        dk_accumulate=shares, **kw, **extra))(*normalized, t, *cot)
+    got, plain = call(key_factor=r), call()
+    with jax.enable_x64(True):
+        wide = lambda a: jnp.asarray(to64(a))
+        norm64 = lambda a: a / jnp.sqrt(jnp.sum(a * a, axis=-1, keepdims=True) + 1e-6)
+        runs64 = jnp.zeros(x.shape[:2], jnp.int32) if runs is None else runs
+
+        def fn(x):
+            y = norm64(x)
+            w, u, _ = wy_dense(y, wide(v), wide(beta), None if gamma is None else wide(gamma),
+                               runs64, sub_chunk=sub_chunk)
+            return w, u, y
+        share_sum = wide(shares[0]) + wide(shares[1])
+        want = np.asarray(jax.vjp(fn, wide(x))[1]((wide(dw), wide(du), share_sum))[0])
+    assert rel_err(got[0], plain[0]) > 0.1                  # the projection is really applied
+    # 16-bit inputs: the kernel's k is l2norm(x) rounded once, the reference's exact.
+    assert_close(got[0], want, tolerance(dtype), "dk (raw keys)")
+    close = 1e-5 if dtype == "float32" else 1e-2
+    for i, name_ in enumerate(NAMES[1:], 1):
+        if plain[i] is not None:
+            assert_close(got[i], plain[i], close, name_)
+    chex.assert_type(got, [x.dtype if "out_dtype" in kw else jnp.float32] * 2
+                     + [jnp.float32] * (2 if gated else 1) + ([] if gated else [None]))
+
+
+def test_wy_bwd_key_factor_shape():
+    primals, cotangents = make_inputs(sub_chunk=16, num_sub_chunks=2, key_dim=32, value_dim=64,
+                                      gated=False, segments=False)
+    with pytest.raises(ValueError, match=r"key_factor must be \[B, P, H\] = \(2, 32, 2\); got \(2, 32\)"):
+        _bwd_pallas(primals, cotangents, 16, key_factor=jnp.ones((2, 32)))
 
 
 @pytest.mark.parametrize("per_program,dtype", [(2, "bfloat16"), (3, "float32")])

@@ -47,6 +47,11 @@ every step is a whole-tile dot on tensor cores. Per program (one sub-chunk):
   4. key columns again: dRw = T^T dw, P1 = F K, P2 = F^T (beta K), dk, sums k·dRw, k·P1, k·P2;
      then dbeta and dgamma.
 
+With ``key_factor`` (the keys are l2norm's rows of raw keys, whose cotangent dk becomes) step 4
+must know k_j·dk_j before it writes a block: step 2 also sums the gram G = K K^T, k·dRw and k·(each
+share), step 3 reads k_j·P1_j = sum_i F_ji G_ji and k_i·P2_i = sum_j F_ji beta_j G_ji off F ∘ G,
+and step 4 writes r (dk - k (k·dk)) with no row sums of its own.
+
 Given dRw and dRu instead of dw and du (``rhs_cotangents``), steps 1-2 form T^T M = dRw Rw^T +
 dRu Ru^T directly and step 3 needs one dot: dA = -mask ∘ ((T^T M) T^T).
 
@@ -80,7 +85,7 @@ class BlockSizes:
 
 
 def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_ref, du_ref,
-                   dk_in_refs, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *, sub_chunk: int,
+                   dk_in_refs, key_factor_ref, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *, sub_chunk: int,
                    block_cols: int, precision, operand_dtype, rhs_cotangents: bool,
                    walk_share_gates: bool):
     f32 = jnp.float32
@@ -122,7 +127,31 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
         keys, cot = k_ref[:, cols].astype(f32), dw_ref[:, cols].astype(f32)
         return m + dot(cot, keys * scale_w[:, None], trans_b=True)
 
-    m = column_loop(k_ref, add_key_outer, m)
+    normalized = key_factor_ref is not None
+    if normalized:
+        # l2norm's VJP needs the row sums k_j·dk_j before the first dk block is written, so they
+        # come from this pass: the gram G = K K^T (k·P1 and k·P2 are sums of F ∘ G, step 3),
+        # k·dRw (directly, or as colsum(T ∘ dW K^T)) and k·(each share).
+        def add_key_outer_and_sums(cols, carry):
+            m, gram, drw_part, share_sums = carry
+            keys, cot = k_ref[:, cols].astype(f32), dw_ref[:, cols].astype(f32)
+            m = m + dot(cot, keys * scale_w[:, None], trans_b=True)
+            gram = gram + dot(keys, keys, trans_b=True)
+            if rhs_cotangents:
+                drw_part = drw_part + jnp.sum(keys * cot, axis=1)
+            else:
+                drw_part = drw_part + dot(cot, keys, trans_b=True)        # X_ij = dw_i·k_j
+            share_sums = tuple(acc + jnp.sum(keys * ref[:, cols].astype(f32), axis=1)
+                               for acc, ref in zip(share_sums, dk_in_refs))
+            return m, gram, drw_part, share_sums
+
+        square = jnp.zeros((sub_chunk, sub_chunk), f32)
+        m, gram, drw_part, share_sums = column_loop(
+            k_ref, add_key_outer_and_sums,
+            (m, square, zeros if rhs_cotangents else square, (zeros,) * len(dk_in_refs)))
+        k_dot_drw = drw_part if rhs_cotangents else jnp.sum(t_inv * drw_part, axis=0)
+    else:
+        m = column_loop(k_ref, add_key_outer, m)
 
     # 3. dA = -(T^T M T^T) on the mask; F = dA ∘ D, with D_ji = 2^(gamma_j - gamma_i) there.
     row = jax.lax.broadcasted_iota(jnp.int32, (sub_chunk, 1), 0)
@@ -140,6 +169,30 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
     # 4. Key columns: dRw = T^T dw, P1 = F K, P2 = F^T (beta K); dk = scale_w dRw + beta P1 + P2
     # (+ the other shares); with walk_share_gates also k·(the first share).
     gates_of_share = walk_share_gates and has_g
+
+    if normalized:   # dk_raw = r (dk - k (k·dk)), the row sums from steps 2-3
+        weighted = f * gram
+        k_dot_p1 = jnp.sum(weighted, axis=1)                   # k_j·P1_j = sum_i F_ji G_ji
+        k_dot_p2 = jnp.sum(weighted * beta[:, None], axis=0)   # k_i·P2_i = sum_j F_ji beta_j G_ji
+        k_dot_dk = scale_w * k_dot_drw + beta * k_dot_p1 + k_dot_p2 + sum(share_sums)
+        factor = key_factor_ref[...]
+
+        def projected_key_block(cols, carry):
+            keys, cot = k_ref[:, cols].astype(f32), dw_ref[:, cols].astype(f32)
+            d_rhs = cot if rhs_cotangents else dot(t_inv, cot, trans_a=True)
+            dk = (scale_w[:, None] * d_rhs + beta[:, None] * dot(f, keys)
+                  + dot(f, keys * beta[:, None], trans_a=True))
+            for dk_in_ref in dk_in_refs:
+                dk += dk_in_ref[:, cols].astype(f32)
+            dk = factor[:, None] * (dk - keys * k_dot_dk[:, None])
+            dk_ref[:, cols] = dk.astype(dk_ref.dtype)
+            return carry
+
+        column_loop(k_ref, projected_key_block, 0)
+        k_dot_share = share_sums[:1] if gates_of_share else []
+        _write_row_terms(dbeta_ref, dgamma_ref, beta, live_decay, scale_w, k_dot_p1, k_dot_p2,
+                         k_dot_drw, v_dot_dru, k_dot_share, has_g, sub_chunk)
+        return
 
     def key_block(cols, sums):
         k_dot_drw, k_dot_p1, k_dot_p2, *k_dot_share = sums
@@ -159,10 +212,17 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
 
     k_dot_drw, k_dot_p1, k_dot_p2, *k_dot_share = column_loop(
         k_ref, key_block, (zeros,) * (4 if gates_of_share else 3))
+    _write_row_terms(dbeta_ref, dgamma_ref, beta, live_decay, scale_w, k_dot_p1, k_dot_p2,
+                     k_dot_drw, v_dot_dru, k_dot_share, has_g, sub_chunk)
+
+
+def _write_row_terms(dbeta_ref, dgamma_ref, beta, live_decay, scale_w, k_dot_p1, k_dot_p2,
+                     k_dot_drw, v_dot_dru, k_dot_share, has_g: bool, sub_chunk: int):
+    """dbeta and dgamma from the row sums (k_dot_share: [k·(the walk's share)] or [])."""
     dbeta_ref[...] = k_dot_p1 + v_dot_dru + live_decay * k_dot_drw
     if has_g:
         dgamma = beta * k_dot_p1 - k_dot_p2 + scale_w * k_dot_drw
-        if gates_of_share:   # the walk's share: -k_j·dk_j, and their sum at the last position
+        if k_dot_share:   # the walk's share: -k_j·dk_j, and their sum at the last position
             is_last = jax.lax.broadcasted_iota(jnp.int32, (sub_chunk,), 0) == sub_chunk - 1
             dgamma += jnp.where(is_last, jnp.sum(k_dot_share[0]), 0.0) - k_dot_share[0]
         dgamma_ref[...] = LN2 * dgamma
@@ -171,8 +231,8 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
 def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, precision=HIGHEST,
                   operand_dtype=None, dk_accumulate: Sequence[jax.Array] = (),
                   out_dtype=jnp.float32, rhs_cotangents: bool = False,
-                  walk_share_gates: bool = False, interpret: bool = False,
-                  block_sizes: Optional[BlockSizes] = None):
+                  walk_share_gates: bool = False, key_factor: Optional[jax.Array] = None,
+                  interpret: bool = False, block_sizes: Optional[BlockSizes] = None):
     """(dk [B, P, H, K], dv [B, P, H, V], dbeta [B, P, H], dgamma [B, P, H] or None): the VJP of
     wy_pallas's (w, u) in (k, v, beta, gamma), given cotangents dw, du. dk and dv come in
     ``out_dtype``, dbeta and dgamma in float32.
@@ -195,6 +255,11 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
     sub-chunk's last position), dk_j = a_j dkd_j; its gate terms, -ln2 k_j·dk_j at j and their
     sum at the last position, are then added to dgamma here, from tiles this kernel loads anyway
     (``chunk_h_bwd_pallas(key_gate_terms=False)`` leaves them out).
+    ``key_factor``: [B, P, H] float32 l2norm factors r_j = (|x_j|^2 + eps)^(-1/2) of raw keys x,
+    k being their normalised rows k_j = r_j x_j (use_qk_l2norm): dk then comes as the cotangent
+    of x, r_j (dk_j - k_j (k_j·dk_j)) with dk_j every share's sum, so that the normalisation's
+    VJP costs no pass over HBM of its own. The row sums k_j·dk_j come from the first pass over the
+    key columns (the gram K K^T gives k·P1 and k·P2), before any dk block is written.
     """
     batch, positions, heads, key_dim = k.shape
     value_dim = v.shape[-1]
@@ -215,6 +280,9 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
     if walk_share_gates and not dk_accumulate:
         raise ValueError("wy_bwd_pallas: walk_share_gates needs the walk's share of dk as "
                          "dk_accumulate[0]; got no dk_accumulate")
+    if key_factor is not None and key_factor.shape != (batch, positions, heads):
+        raise ValueError(f"wy_bwd_pallas: key_factor must be [B, P, H] = {(batch, positions, heads)}; "
+                         f"got {key_factor.shape}")
     if inverse.shape != (batch, positions, heads, sub_chunk):
         raise ValueError(f"wy_bwd_pallas: inverse must be [B, P, H, S] = "
                          f"{(batch, positions, heads, sub_chunk)}; got {inverse.shape}")
@@ -222,12 +290,14 @@ def wy_bwd_pallas(k, v, beta, gamma, runs, inverse, dw, du, *, sub_chunk: int, p
     rows = lambda width: pl.BlockSpec((None, sub_chunk, None, width), lambda hd, s, b: (b, s, hd, 0))
     per_position = pl.BlockSpec((None, sub_chunk, None), lambda hd, s, b: (b, s, hd))
     operands = (k, v, beta, None if gamma is None else gamma.astype(f32),
-                None if runs is None else runs.astype(jnp.int32), inverse, dw, du, dk_accumulate)
+                None if runs is None else runs.astype(jnp.int32), inverse, dw, du, dk_accumulate,
+                None if key_factor is None else key_factor.astype(f32))
     in_specs = (rows(key_dim), rows(value_dim), per_position,
                 None if gamma is None else per_position,
                 None if runs is None else pl.BlockSpec((None, sub_chunk), lambda hd, s, b: (b, s)),
                 rows(sub_chunk), rows(key_dim), rows(value_dim),
-                tuple(rows(key_dim) for _ in dk_accumulate))
+                tuple(rows(key_dim) for _ in dk_accumulate),
+                None if key_factor is None else per_position)
     out_shape = (jax.ShapeDtypeStruct((batch, positions, heads, key_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads, value_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, positions, heads), f32),

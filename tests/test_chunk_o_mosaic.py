@@ -7,6 +7,8 @@ layouts, transposed wgmma operands and synchronisation are checked by the GPU te
 (test_gpu.py). References are the float64 recurrence (forward) and float64 autodiff of the dense
 chunked form (gradients).
 """
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,13 +17,15 @@ import pytest
 
 import gdp_jax
 from gdp_jax._src import dispatch, mosaic
+from gdp_jax._src.layout import l2norm_and_factor
 from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_o import mosaic_bwd
 from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
 from gdp_jax.ops.chunk_o.mosaic_fwd import BlockSizes, chunk_o_fwd_mosaic, default_block_sizes
 from cases import (CHUNK_O_NAMES, Case, assert_all_close, assert_close, build, case_id,
-                   cotangent, dense_chunked_grads, run_chunk_o, tolerance)
+                   cotangent, dense_chunked_grads, rel_err, run_chunk_o, tolerance)
 from test_chunk_o_bwd import check_kernel, kernel_inputs
+from test_full_op import check_gradients, kernel_names
 
 needs_interpreter = pytest.mark.skipif(not mosaic.has_interpreter(),
                                        reason="this jax has no Mosaic GPU interpreter")
@@ -128,8 +132,8 @@ BWD_CASES = [
 
 
 def mosaic_bwd_kernel(case):
-    return lambda *args: chunk_o_bwd_mosaic(*args, scale=case.key_dim ** -0.5, chunk_size=64,
-                                            num_householder=case.m, interpret=True)
+    return lambda *args, **kw: chunk_o_bwd_mosaic(*args, scale=case.key_dim ** -0.5, chunk_size=64,
+                                                  num_householder=case.m, interpret=True, **kw)
 
 
 @needs_interpreter
@@ -159,6 +163,51 @@ def test_backward_kv_slots(case, slots):
     check_kernel(case, kernel=lambda *args: chunk_o_bwd_mosaic(
         *args, scale=case.key_dim ** -0.5, chunk_size=64, num_householder=case.m, interpret=True,
         block_sizes=mosaic_bwd.BlockSizes(two_kernels=False, slots=slots)))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", [Case(150, 64, 128, 2, 64, dtype="bfloat16"),
+                                  Case(77, 64, 128, 1, 64, dtype="float16", gated=False),
+                                  Case(100, 128, 64, 3, 64, dtype="bfloat16", segments=False)],
+                         ids=case_id)
+def test_backward_q_factor(case):
+    """q_factor: given l2norm's rows q = r x of raw queries x and their factors r, dq is the
+    cotangent of x: r (dq - y (y·dq)) with y = x r in float64 and dq float64 autodiff of the
+    dense form at the q the kernel reads. dk, dv, dh and dg are the plain call's, bit for bit."""
+    q, k, v, h, g, runs, do = kernel_inputs(case)
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(np.asarray(q, np.float32) * rng.uniform(0.3, 3.0, size=q.shape[:3] + (1,)),
+                    q.dtype)
+    q_n, factor = l2norm_and_factor(x)
+    call = lambda **kw: mosaic_bwd_kernel(case)(q_n, k, v, h, g, runs, do, **kw)
+    got, plain = call(q_factor=factor), call()
+    dq = dense_chunked_grads(q_n, k, v, h, g, runs, do, scale=case.key_dim ** -0.5,
+                             chunk_size=64)[1]["q"]
+    x64 = np.asarray(x, np.float64)
+    r64 = 1.0 / np.sqrt(np.sum(x64 * x64, axis=-1, keepdims=True) + 1e-6)
+    y = x64 * r64
+    want = r64 * (dq - y * np.sum(y * dq, axis=-1, keepdims=True))
+    chex.assert_type(got[0], q.dtype)
+    assert_close(got[0], want, tolerance(case.dtype), "dq (raw queries)")
+    assert rel_err(plain[0], want) > 0.1                      # the projection is really applied
+    chex.assert_trees_all_equal(got[1:], plain[1:])
+
+
+def test_backward_q_factor_needs_one_kernel():
+    case = Case(64, 192, 64, 1, 64, dtype="bfloat16", gated=False, segments=False)
+    q, k, v, h, g, runs, do = kernel_inputs(case)
+    with pytest.raises(ValueError, match="q_factor needs the one-kernel backward"):
+        chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, scale=0.1, chunk_size=64, num_householder=1,
+                           interpret=True, q_factor=jnp.ones(q.shape[:3]))
+    q, k, v, h, g, runs, do = kernel_inputs(Case(64, 64, 64, 1, 64, dtype="bfloat16",
+                                                 gated=False, segments=False))
+    with pytest.raises(ValueError, match=r"q_factor must be \[B, T, H\]"):
+        chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, scale=0.1, chunk_size=64, num_householder=1,
+                           interpret=True, q_factor=jnp.ones(q.shape[:2]))
+    rule = dispatch.queries_l2norm_vjp_in_chunk_o_kernel
+    assert rule("mosaic", 128, 100) and rule("mosaic_interpret", 48, 64)
+    assert not rule("mosaic", 192, 64) and not rule("pallas", 64, 64)
+    assert not rule("interpret", 64, 64) and not rule("xla", 64, 64)
 
 
 def test_backward_block_sizes_rule_and_check():
@@ -242,6 +291,22 @@ def test_full_op():
         output_final_state=True, chunk_size=64, implementation="mosaic_interpret")
     assert_close(o, p.ref["o"], tolerance("bfloat16"), "o")
     assert_close(final, p.ref["final_state"], tolerance("bfloat16"), "final_state")
+
+
+@needs_interpreter
+def test_full_op_l2norm_gradients():
+    """use_qk_l2norm's gradient under "mosaic_interpret": q's normalisation VJP inside the Mosaic
+    backward, k's inside the WY VJP kernel, no kernel of its own; every input's gradient against
+    float64 autodiff of the recurrence."""
+    case = Case(90, 64, 128, 2, 64, dtype="bfloat16", batch=1)
+    p = build(case, qk_l2norm=True)
+    op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
+                           segment_ids=p.segment_ids, use_qk_l2norm=True, chunk_size=64,
+                           implementation="mosaic_interpret")
+    check_gradients(p, op, qk_l2norm=True)
+    loss = lambda q, k: jnp.sum(op(q, k, *p.full_args()[2:])[0].astype(jnp.float32))
+    names = kernel_names(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(p.q, p.k).jaxpr)
+    assert "gdp_l2norm_bwd" not in names and names.count("gdp_wy_bwd") == 1, names
 
 
 # Lowering for CUDA on this CPU host (jax.export) runs Mosaic GPU's own checks of the compiled

@@ -230,7 +230,7 @@ def test_float32_wy_stage_in_jnp(case, monkeypatch):
     o, final_state = run_full_op(p, "interpret")
     assert_close(o, p.ref["o"], tolerance(case.dtype), "o")
     assert_close(final_state, p.ref["final_state"], tolerance(case.dtype), "final_state")
-    _check_gradients(p, functools.partial(
+    check_gradients(p, functools.partial(
         gdp_jax.chunk_gated_delta_product, output_final_state=True, segment_ids=p.segment_ids,
         chunk_size=case.chunk_size, implementation="interpret"), False)
     q = build(case, qk_l2norm=True)
@@ -239,7 +239,7 @@ def test_float32_wy_stage_in_jnp(case, monkeypatch):
     assert_close(o, q.ref["o"], tolerance(case.dtype), "o (use_qk_l2norm)")
     assert_close(final_state, q.ref["final_state"], tolerance(case.dtype), "final_state (use_qk_l2norm)")
     # and its gradients through the normalisation's VJP and wy_bwd_xla
-    _check_gradients(q, functools.partial(
+    check_gradients(q, functools.partial(
         gdp_jax.chunk_gated_delta_product, output_final_state=True, segment_ids=q.segment_ids,
         chunk_size=case.chunk_size, use_qk_l2norm=True, implementation="interpret"), True)
 
@@ -256,7 +256,7 @@ def test_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
                            segment_ids=p.segment_ids, use_qk_l2norm=True,
                            chunk_size=case.chunk_size, implementation="interpret")
     assert _outside_kernels(jax.make_jaxpr(op)(*p.full_args()).jaxpr, "rsqrt") == 1   # fused
-    _check_gradients(p, op, qk_l2norm=True)
+    check_gradients(p, op, qk_l2norm=True)
 
 
 def test_l2norm_fused_rule(monkeypatch):
@@ -297,11 +297,14 @@ GRAD_CASES = {
     # tested per kernel (test_chunk_h.py, test_wy.py) and compiled in test_gpu.py. (The jnp
     # path's 16-bit gradient dtypes: test_chunk_o_bwd.py; its stages are float32.)
     "bf16": (Case(37, 16, 16, 2, 16, dtype="bfloat16"), False, ["interpret"]),
+    # use_qk_l2norm with bfloat16: the keys' VJP inside the WY VJP kernel on its 16-bit route
+    # (T^T dw from the reverse walk, bf16 operands); K != V, M = 3.
+    "bf16-l2norm-M3": (Case(37, 32, 16, 3, 16, dtype="bfloat16"), True, ["interpret"]),
 }
 GRAD_PARAMS = [(name, impl) for name, (_, _, impls) in GRAD_CASES.items() for impl in impls]
 
 
-def _check_gradients(p, op, qk_l2norm: bool):
+def check_gradients(p, op, qk_l2norm: bool):
     """o and every input's gradient of ``op`` (the full op with the problem's static options
     bound; called as op(q, k, v, g_raw, beta, initial_state=...)) against float64 autodiff of
     the recurrence, at SPEC's tolerance for the inputs' dtype."""
@@ -328,11 +331,44 @@ def _check_gradients(p, op, qk_l2norm: bool):
     assert_all_close(grads, {n: expected[n] for n in names}, tolerance(dtype))
 
 
+def kernel_names(jaxpr) -> list:
+    """The names of the pallas_call kernels in a jaxpr, sub-jaxprs included."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            name = eqn.params.get("name_and_src_info", eqn.params.get("name"))
+            names.append(getattr(name, "name", name))
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    names += kernel_names(sub)
+    return names
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_keys_l2norm_vjp_in_the_wy_kernel(dtype):
+    """Where the WY VJP kernel runs (the interpreter: every dtype), use_qk_l2norm's gradient
+    takes the normalisation's own VJP kernel for q alone: k's runs inside the WY VJP. The rule:
+    compiled float32 keeps the separate step (its WY VJP is jnp), and so does the jnp path."""
+    p = build(Case(40, 32, 16, 2, 16, dtype=dtype), qk_l2norm=True)
+    op = functools.partial(gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True, chunk_size=16,
+                           implementation="interpret")
+    loss = lambda q, k: jnp.sum(op(q, k, *p.full_args()[2:])[0].astype(jnp.float32))
+    names = kernel_names(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(p.q, p.k).jaxpr)
+    assert names.count("gdp_l2norm_bwd") == 1 and names.count("gdp_wy_bwd") == 1, names
+    rule = dispatch.keys_l2norm_vjp_in_wy_kernel
+    assert rule("pallas", jnp.bfloat16, False) and rule("pallas", jnp.float16, False)
+    assert rule("interpret", jnp.float32, True)
+    assert not rule("pallas", jnp.float32, False) and not rule("xla", jnp.bfloat16, False)
+
+
 @pytest.mark.parametrize("name,implementation", GRAD_PARAMS)
 def test_gradients_against_recurrence(name, implementation):
     case, l2norm, _ = GRAD_CASES[name]
     p = build(case, qk_l2norm=l2norm)
-    _check_gradients(p, functools.partial(
+    check_gradients(p, functools.partial(
         gdp_jax.chunk_gated_delta_product, output_final_state=True, segment_ids=p.segment_ids,
         use_qk_l2norm=l2norm, chunk_size=case.chunk_size, implementation=implementation), l2norm)
 
@@ -366,7 +402,7 @@ def test_backward_walks_from_inverse(case, monkeypatch):
             p.k, p.v, p.beta)))
 
     monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype: True)
-    _check_gradients(p, op, False)
+    check_gradients(p, op, False)
     from_inverse = grads()
     assert seen and all(seen)
     monkeypatch.setattr(dispatch, "backward_walks_from_inverse", lambda dtype: False)
@@ -395,7 +431,7 @@ def test_narrow_value_blocks_where_walks_are_few(from_inverse, monkeypatch):
     monkeypatch.setattr(pallas_fwd, "value_block", recording)
     monkeypatch.setattr(pallas_bwd, "value_block", recording)
     p = build(Case(45, 32, 48, 2, 16, dtype="bfloat16"))
-    _check_gradients(p, functools.partial(
+    check_gradients(p, functools.partial(
         gdp_jax.chunk_gated_delta_product, output_final_state=True, segment_ids=p.segment_ids,
         chunk_size=16, implementation="interpret"), False)
     assert len(blocks) >= 2 and set(blocks) == {16}

@@ -89,4 +89,11 @@ def l2norm_factor(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
 def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
     """x / sqrt(sum(x^2) + eps) over the last axis, computed in float32, returned in x's dtype
     (flash-linear-attention's formula)."""
-    return (x.astype(jnp.float32) * l2norm_factor(x, eps)[..., None]).astype(x.dtype)
+    return l2norm_and_factor(x, eps)[0]
+
+
+def l2norm_and_factor(x: jax.Array, eps: float = L2NORM_EPS):
+    """(``l2norm(x)``, ``l2norm_factor(x)``): the rows and the float32 factors [...] that made
+    them, for a VJP that applies the normalisation's Jacobian inside a kernel."""
+    factor = l2norm_factor(x, eps)
+    return (x.astype(jnp.float32) * factor[..., None]).astype(x.dtype), factor

@@ -13,8 +13,10 @@ walk's VJP kernels (``chunk_h.pallas_bwd``), then the WY stage's VJP (``wy.palla
 forward's inverses, or ``wy.xla.wy_bwd_xla`` for compiled float32 inputs), then the VJP of the
 expanded decays in jnp.
 Both grids give SPEC's h, v_new and final state. Stage 4 runs under chunk_o's own custom_vjp.
-use_qk_l2norm normalises q and k first (``ops.l2norm``), except in the undifferentiated forward
-on the Triton kernels, where the kernels apply the normalisation themselves (``_l2norm_op``).
+use_qk_l2norm normalises q and k first (``ops.l2norm``), or, where a backward kernel applies the
+normalisation's VJP (k's in the WY VJP kernel, q's in chunk_o's one-kernel Mosaic GPU backward),
+inside the stages' custom_vjps, except in the undifferentiated forward on the Triton kernels,
+where the kernels apply the normalisation themselves (``_l2norm_op``).
 Which implementation and dtypes run is ``_src.dispatch``'s rule (docs/math.md has the math).
 """
 from __future__ import annotations
@@ -27,7 +29,8 @@ import jax.numpy as jnp
 
 from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
-from gdp_jax._src.layout import l2norm_factor, l2norm_scale, pad_state, tile_width
+from gdp_jax._src.layout import (l2norm_and_factor, l2norm_factor, l2norm_scale, pad_state,
+                                  tile_width)
 from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas
 from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
@@ -126,16 +129,16 @@ class _OpConfig(NamedTuple):
 def _composed(q, k, v, g, beta, runs, initial_state, config: _OpConfig, use_qk_l2norm: bool):
     """The op's stages in turn, each differentiable on its own: (o, final_state)."""
     implementation, chunk_size, m = config.implementation, config.chunk_size, config.num_householder
-    if use_qk_l2norm:
-        q, k = l2norm(q, implementation), l2norm(k, implementation)
     h, v_new, final_state, k = chunk_states(k, v, beta, g, runs, initial_state,
                                             chunk_size=chunk_size, num_householder=m,
-                                            implementation=implementation)
+                                            implementation=implementation,
+                                            normalize_keys=use_qk_l2norm)
     g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
     # The output stage takes v_new in the inputs' dtype (as fla does) and h in float32 (jnp path)
     # or the inputs' dtype when 16-bit (Pallas path); it accumulates in float32 either way.
     o = chunk_o(q, k, v_new.astype(v.dtype), h, g_log2, runs, scale=config.scale,
-                chunk_size=chunk_size, num_householder=m, implementation=implementation)
+                chunk_size=chunk_size, num_householder=m, implementation=implementation,
+                normalize_queries=use_qk_l2norm)
     return o, final_state
 
 
@@ -186,7 +189,7 @@ _l2norm_op.defvjp(_l2norm_op_fwd, _l2norm_op_bwd)
 
 
 def chunk_states(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
-                 implementation: str):
+                 implementation: str, normalize_keys: bool = False):
     """Stages 1-3 for checked inputs, differentiable: (h, v_new, final_state, k).
 
     k [B, T*M, H, K], v [B, T*M, H, V], beta [B, T*M, H]; g [B, T, H] natural-log gates or None;
@@ -195,19 +198,29 @@ def chunk_states(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_hou
     dispatch rule may still pick the jnp stages). h [B, NT, H, K, V], v_new [B, T*M, H, V] and
     final_state [B, H, K, V] as ``states_pallas`` or ``states_jnp`` give them.
 
-    k comes back unchanged: pass it on to ``chunk_o``. On the Pallas path it is an output of the
-    stages' custom_vjp, so the output stage's share of dk arrives in that VJP and is summed inside
-    a kernel, not by XLA where k fans out.
+    k comes back as the stages used it: pass it on to ``chunk_o``. On the Pallas path it is an
+    output of the stages' custom_vjp, so the output stage's share of dk arrives in that VJP and is
+    summed inside a kernel, not by XLA where k fans out.
+
+    ``normalize_keys`` (use_qk_l2norm): the stages take k L2-normalised per position
+    (``ops.l2norm``'s formula) and return that. Where ``dispatch.keys_l2norm_vjp_in_wy_kernel``
+    says so, the normalisation is part of the stages' custom_vjp and its VJP runs in the WY VJP
+    kernel; elsewhere it is ``ops.l2norm``, a step of its own.
     """
     stage = dict(chunk_size=chunk_size, num_householder=num_householder)
     states = dispatch.states_implementation(implementation, k.dtype, k.shape[-1], v.shape[-1])
+    interpret = states == "interpret"
+    in_wy_kernel = normalize_keys and dispatch.keys_l2norm_vjp_in_wy_kernel(states, k.dtype,
+                                                                           interpret)
+    if normalize_keys and not in_wy_kernel:
+        k = l2norm(k, implementation)
     if states == "xla":
         g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
         return states_jnp(k, v, beta, g_log2, runs, initial_state, **stage) + (k,)
     # g enters in float32, so its cotangent is rounded to g's dtype once (as on the xla path).
     g32 = None if g is None else g.astype(jnp.float32)
     return _states(k, v, beta, g32, runs, initial_state,
-                   (chunk_size, num_householder, states == "interpret"))
+                   (chunk_size, num_householder, interpret, in_wy_kernel))
 
 
 def states_jnp(k, v, beta, g_log2, runs, initial_state, *, chunk_size: int, num_householder: int):
@@ -349,21 +362,30 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     return outputs
 
 
+def _normalized_keys(k, normalize: bool):
+    """(k or its l2norm rows, their factors [B, P, H] float32 or None): ``ops.l2norm``'s formula,
+    the factors kept for the VJP."""
+    return l2norm_and_factor(k) if normalize else (k, None)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _states(k, v, beta, g, runs, initial_state, config):
-    """(h, v_new, final_state, k): states_pallas's results, and k itself, so that the cotangent
-    of k's other use (the output stage) enters _states_bwd."""
-    chunk_size, m, interpret = config
+    """(h, v_new, final_state, k): states_pallas's results, and the k they used (with config's
+    normalize flag, k's l2norm rows), so that the cotangent of k's other use (the output stage)
+    enters _states_bwd."""
+    chunk_size, m, interpret, normalize = config
+    k, _ = _normalized_keys(k, normalize)
     return states_pallas(k, v, beta, g, runs, initial_state, chunk_size=chunk_size,
                          num_householder=m, interpret=interpret) + (k,)
 
 
 def _states_fwd(k, v, beta, g, runs, initial_state, config):
-    chunk_size, m, interpret = config
+    chunk_size, m, interpret, normalize = config
+    k, factor = _normalized_keys(k, normalize)
     h, v_new, final_state, saved = states_pallas(
         k, v, beta, g, runs, initial_state, chunk_size=chunk_size, num_householder=m,
         interpret=interpret, every_sub_chunk=True)
-    return (h, v_new, final_state, k), (k, v, beta, g, runs, initial_state, saved)
+    return (h, v_new, final_state, k), (k, v, beta, g, runs, initial_state, saved, factor)
 
 
 def _states_bwd(config, residuals, cotangents):
@@ -377,10 +399,12 @@ def _states_bwd(config, residuals, cotangents):
     The output stage's share of dk (the cotangent of the k passed through) and the walk's are
     added to dk inside the WY VJP kernel, which also rounds dk and dv to the inputs' dtype, so
     neither the sum nor the casts costs a pass over HBM. That kernel also forms the gate terms of
-    the walk's share (ln2 k_j·dk_j), which the epilogue would otherwise read k for.
+    the walk's share (ln2 k_j·dk_j), which the epilogue would otherwise read k for, and, with
+    config's normalize flag (only set where that kernel runs), l2norm's VJP: dk comes as the
+    cotangent of the raw keys.
     """
-    k, v, beta, g, runs, initial_state, (w, inverse, h_sub, v_new_p) = residuals
-    chunk_size, m, interpret = config
+    k, v, beta, g, runs, initial_state, (w, inverse, h_sub, v_new_p), key_factor = residuals
+    chunk_size, m, interpret, _ = config
     dh, dv_new, dfinal, dk_through = cotangents
     positions, key_dim = k.shape[1], k.shape[3]
     value_dim = v.shape[-1]
@@ -409,7 +433,9 @@ def _states_bwd(config, residuals, cotangents):
                                  precision=precision, operand_dtype=operand_dtype,
                                  dk_accumulate=(dk_walk, pad_positions(dk_through, width=kp)),
                                  out_dtype=k.dtype, rhs_cotangents=bool(from_inverse),
-                                 walk_share_gates=True, interpret=interpret)
+                                 walk_share_gates=True, interpret=interpret,
+                                 key_factor=None if key_factor is None else jnp.pad(
+                                     key_factor, ((0, 0), (0, padded_positions - positions), (0, 0))))
         dk_p = wy_grads[0]
     else:
         wy_grads = wy_bwd_xla(k_p, v_p, beta_p, gamma, runs_p, dw, du, chunk_size=sub)

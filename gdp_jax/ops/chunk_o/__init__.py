@@ -18,13 +18,14 @@ import jax.numpy as jnp
 
 from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
-from gdp_jax._src.layout import pad_last, pad_state, tile_width
+from gdp_jax._src.layout import l2norm_and_factor, pad_last, pad_state, tile_width
 from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
 from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_o_fwd_mosaic
 from gdp_jax.ops.chunk_o.pallas_bwd import chunk_o_bwd_pallas
 from gdp_jax.ops.chunk_o.pallas_fwd import chunk_o_fwd_pallas
 from gdp_jax.ops.chunk_o.xla import chunk_o_xla
+from gdp_jax.ops.l2norm import l2norm
 
 __all__ = ["chunk_gdp_fwd_o", "chunk_o", "chunk_o_scaled_forward"]
 
@@ -91,16 +92,26 @@ def chunk_gdp_fwd_o(q: jax.Array, k: jax.Array, v: jax.Array, h: jax.Array,
 
 
 def chunk_o(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_householder: int,
-            implementation: str) -> jax.Array:
+            implementation: str, normalize_queries: bool = False) -> jax.Array:
     """chunk_gdp_fwd_o for a caller that has checked its inputs, resolved ``implementation`` and
     ``scale``, and turned segment ids into run numbers (``segments.segment_runs``), as the full op
-    does. No checks; the same custom_vjp."""
+    does. No checks; the same custom_vjp.
+
+    ``normalize_queries`` (use_qk_l2norm): the stage takes q L2-normalised per token
+    (``ops.l2norm``'s formula). Where ``dispatch.queries_l2norm_vjp_in_chunk_o_kernel`` says so,
+    the normalisation is part of the custom_vjp and its VJP runs in the backward kernel; elsewhere
+    it is ``ops.l2norm``, a step of its own."""
     forward = dispatch.chunk_o_implementation(implementation, q.dtype, q.shape[-1], v.shape[-1],
                                               chunk_size, h.dtype)
+    backward = dispatch.chunk_o_backward_implementation(forward, q.dtype, q.shape[-1],
+                                                        v.shape[-1], chunk_size, h.dtype)
+    in_kernel = normalize_queries and dispatch.queries_l2norm_vjp_in_chunk_o_kernel(
+        backward, q.shape[-1], v.shape[-1])
+    if normalize_queries and not in_kernel:
+        q = l2norm(q, implementation)
     config = _Config(scale=scale, chunk_size=chunk_size, num_householder=num_householder,
-                     implementation=forward,
-                     backward_implementation=dispatch.chunk_o_backward_implementation(
-                         forward, q.dtype, q.shape[-1], v.shape[-1], chunk_size, h.dtype))
+                     implementation=forward, backward_implementation=backward,
+                     normalize_queries=in_kernel)
     return _chunk_o(q, k, v, h, g, runs, config)
 
 
@@ -124,6 +135,7 @@ class _Config:
     num_householder: int
     implementation: str            # the forward: dispatch.chunk_o_implementation's answer
     backward_implementation: str   # dispatch.chunk_o_backward_implementation's answer
+    normalize_queries: bool = False   # q's l2norm and its VJP inside the custom_vjp (Mosaic bwd)
 
     def stage_kwargs(self):
         return dict(scale=self.scale, chunk_size=self.chunk_size,
@@ -146,8 +158,9 @@ def _forward(q, k, v, h, g, runs, config: _Config):
     return unpad(value=o)
 
 
-def _backward(q, k, v, h, g, runs, do, config: _Config):
-    """(dq, dk, dv, dh, dg) in float32 or the primals' dtypes; dg None without g."""
+def _backward(q, k, v, h, g, runs, do, config: _Config, q_factor=None):
+    """(dq, dk, dv, dh, dg) in float32 or the primals' dtypes; dg None without g. With q_factor
+    (the Mosaic backward only) dq is the cotangent of the raw queries whose l2norm rows q are."""
     kwargs, implementation = config.stage_kwargs(), config.backward_implementation
     if implementation == "xla":
         if g is None:
@@ -160,7 +173,7 @@ def _backward(q, k, v, h, g, runs, do, config: _Config):
                                                 width=dispatch.mosaic_padded_width)
         dq, dk, dv, dh, dg = chunk_o_bwd_mosaic(q, k, v, h, g, runs, do,
                                                 interpret=implementation == "mosaic_interpret",
-                                                **kwargs)
+                                                q_factor=q_factor, **kwargs)
         return unpad(key=dq), unpad(key=dk), unpad(value=dv), unpad(state=dh), dg
     (q, k, v, h, do), unpad = _pad_to_tiles(q, k, v, h, do.astype(v.dtype))
     dq, dk, dv, dh, dg = chunk_o_bwd_pallas(q, k, v, h, g, runs, do,
@@ -193,17 +206,20 @@ def _pad_to_tiles(q, k, v, h, *value_width_arrays, width=tile_width):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _chunk_o(q, k, v, h, g, runs, config):
+    if config.normalize_queries:
+        q = l2norm_and_factor(q)[0]
     return _forward(q, k, v, h, g, runs, config)
 
 
 def _chunk_o_fwd(q, k, v, h, g, runs, config):
-    return _forward(q, k, v, h, g, runs, config), (q, k, v, h, g, runs)
+    q, q_factor = l2norm_and_factor(q) if config.normalize_queries else (q, None)
+    return _forward(q, k, v, h, g, runs, config), (q, k, v, h, g, runs, q_factor)
 
 
 def _chunk_o_bwd(config, residuals, do):
-    q, k, v, h, g, runs = residuals
+    q, k, v, h, g, runs, q_factor = residuals
     g32 = None if g is None else g.astype(jnp.float32)
-    dq, dk, dv, dh, dg = _backward(q, k, v, h, g32, runs, do, config)
+    dq, dk, dv, dh, dg = _backward(q, k, v, h, g32, runs, do, config, q_factor)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dh.astype(h.dtype),
             None if g is None else dg.astype(g.dtype), None)
 

@@ -12,6 +12,7 @@ chunk, batch) on one warpgroup, every product a wgmma on SMEM tiles:
                  Z_m = S_m ⊙ scale dpv_m, strictly below the diagonal (the diagonal cancels)
                  dg_row += rowsum(Z_m),  dg_col += colsum(Z_m)
     dg = ln2 (dg_row - dg_col)                         summed in XLA from the two [B, H, T] parts
+    with q_factor (q = r x, l2norm's rows):  dx = r (dq - q rowsum(q ⊙ dq)), dq being whole rows
 
 Past K, V = 128 those tiles outgrow SMEM (193 KiB at K = V = 128), so wider problems run two
 kernels that split the same sums by what they read:
@@ -143,19 +144,23 @@ def _store_dg_parts(dg_s, dg_g, row, col, b, hd, rows):
 
 
 def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, has_g: bool,
-            has_segments: bool, slots: int, interpret: bool, scratch):
+            has_segments: bool, has_q_factor: bool, slots: int, interpret: bool, scratch):
     m, bt = num_householder, CHUNK_SIZE
     q_g, k_g, v_g, h_g, do_g = refs[:5]
     g_g = refs[5] if has_g else None
     sr_g = refs[5 + has_g] if has_segments else None
+    qf_g = refs[5 + has_g + has_segments] if has_q_factor else None
     dq_g, dk_g, dv_g, dh_g, dg_g = refs[-5:]
     (q_s, do_s, h_s, k_s, v_s, wdo_s, s_s, da_s, dh_s, dk_s, dv_s, g_s, sr_s, dg_s,
-     in_bar, kv_bar) = scratch
+     in_bar, kv_bar, *q_factor_scratch) = scratch
     hd, c, b = (lax.axis_index(n) for n in ("head", "chunk", "batch"))
     rows = pl.ds(c * bt, bt)
 
     g_copies = _copy_chunk_rows(q_g, do_g, g_g, sr_g, q_s, do_s, g_s, sr_s, in_bar, b, hd, rows)
     plgpu.copy_gmem_to_smem(h_g.at[b, c, hd], h_s, in_bar.at[5])
+    if has_q_factor:
+        qf_s, qf_bar = q_factor_scratch
+        plgpu.copy_gmem_to_smem(qf_g.at[b, hd, rows], qf_s, qf_bar.at[0])
 
     # Copy m's k and v tiles go to slot m % slots, on barriers slot (k) and slots + slot (v).
     def load_k(copy):
@@ -224,6 +229,12 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
 
     dq, (dg_row, dg_col) = mg.accumulate((bt, q_s.shape[1]), dq_body, interpret,
                                          with_aux=True)                     # dq [BT, K]
+    if has_q_factor:   # q = r x (l2norm): dx = r (dq - q (q·dq)), q as staged
+        q = mg.tile(q_s, interpret).astype(jnp.float32)
+        q_dot_dq = jnp.sum(q * dq, axis=1)
+        plgpu.barrier_wait(qf_bar.at[0])
+        factor = mg.row_vector(qf_s, interpret)
+        dq = mg.broadcast_rows(factor, dq.shape) * (dq - q * mg.broadcast_rows(q_dot_dq, dq.shape))
     mg.wait_stores_read()            # dh, dk, dv have left SMEM
     dk_s[...] = dq.astype(dk_s.dtype)          # dk's tile is free: dq leaves through it
     plgpu.commit_smem()
@@ -398,8 +409,9 @@ def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
     return dq, dk, dv, dh, dg
 
 
-def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, slots, interpret):
-    """The one-kernel backward (K, V up to ONE_KERNEL_WIDTH) on ``stream_operands``' inputs."""
+def _one_kernel(q, k, v, h, g, runs, do, q_factor, *, scale, tokens, m, slots, interpret):
+    """The one-kernel backward (K, V up to ONE_KERNEL_WIDTH) on ``stream_operands``' inputs;
+    q_factor [B, H, Tp] float32 or None."""
     batch, padded_tokens, heads, key_dim = q.shape
     value_dim, num_chunks, bt = v.shape[-1], h.shape[1], CHUNK_SIZE
     dtype = q.dtype
@@ -415,6 +427,8 @@ def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, slots, interpret):
         plgpu.Barrier(num_arrivals=1, num_barriers=6),               # q, do, g x2, starts, h
         plgpu.Barrier(num_arrivals=1, num_barriers=2 * slots),              # k slots, v slots
     )
+    if q_factor is not None:
+        scratch += (plgpu.SMEM((bt,), jnp.float32), plgpu.Barrier(num_arrivals=1, num_barriers=1))
     out_type = (
         jax.ShapeDtypeStruct((batch, padded_tokens, heads, key_dim), q.dtype),
         jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, key_dim), k.dtype),
@@ -426,19 +440,27 @@ def _one_kernel(q, k, v, h, g, runs, do, *, scale, tokens, m, slots, interpret):
     call = mg.kernel(_kernel, out_type=out_type, scratch_types=scratch,
                      grid=(heads, num_chunks, batch), grid_names=("head", "chunk", "batch"),
                      interpret=interpret, scale=scale, tokens=tokens, num_householder=m,
-                     heads=heads, has_g=g is not None, has_segments=runs is not None, slots=slots)
-    dq, dk, dv, dh, dg_parts = call(q, k, v, h, do, *(x for x in (g, runs) if x is not None))
+                     heads=heads, has_g=g is not None, has_segments=runs is not None,
+                     has_q_factor=q_factor is not None, slots=slots)
+    dq, dk, dv, dh, dg_parts = call(q, k, v, h, do,
+                                    *(x for x in (g, runs, q_factor) if x is not None))
     dg = None if g is None else jnp.moveaxis(dg_parts[0] - dg_parts[1], 1, 2)   # [B, Tp, H]
     return dq, dk, dv, dh, dg
 
 
 def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int,
                        num_householder: int, interpret: bool = False,
-                       block_sizes: Optional[BlockSizes] = None):
+                       block_sizes: Optional[BlockSizes] = None,
+                       q_factor: Optional[jax.Array] = None):
     """(dq, dk, dv, dh, dg) for inputs ``dispatch.chunk_o_backward_implementation`` routes here,
     K and V padded to multiples of 64: dq, dk, dv in q's, k's, v's dtype, dh in h's, dg [B, T, H]
     float32 or None without g. Arguments as ``chunk_o_fwd_mosaic``'s, and do [B, T, H, V]. One
-    kernel or two (module docstring): ``block_sizes``, default ``default_block_sizes``."""
+    kernel or two (module docstring): ``block_sizes``, default ``default_block_sizes``.
+
+    ``q_factor`` (one kernel only): [B, T, H] float32 l2norm factors r_t = (|x_t|^2 + eps)^(-1/2)
+    of raw queries x, q being their normalised rows r_t x_t (use_qk_l2norm): dq then comes as the
+    cotangent of x, r_t (dq_t - q_t (q_t·dq_t)), from the dq tile the kernel holds whole, so that
+    the normalisation's VJP costs no pass over HBM of its own."""
     if chunk_size != CHUNK_SIZE:
         raise ValueError(f"the Mosaic GPU kernel takes chunk_size {CHUNK_SIZE}; got {chunk_size}")
     batch, tokens, heads, key_dim = q.shape
@@ -446,6 +468,16 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     padded_tokens = num_chunks * chunk_size
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, m)
     sizes.check(key_dim, value_dim, m)
+    if q_factor is not None:
+        if sizes.two_kernels:
+            raise ValueError("q_factor needs the one-kernel backward (K, V up to "
+                             f"{ONE_KERNEL_WIDTH}), whose dq tiles are whole rows; got "
+                             f"K = {key_dim}, V = {value_dim} with {sizes}")
+        if q_factor.shape != (batch, tokens, heads):
+            raise ValueError(f"q_factor must be [B, T, H] = {(batch, tokens, heads)}; got "
+                             f"{q_factor.shape}")
+        q_factor = jnp.moveaxis(jnp.pad(q_factor.astype(jnp.float32),
+                                        ((0, 0), (0, padded_tokens - tokens), (0, 0))), 1, 2)
     operands = stream_operands(q, k, v, h, g, runs, do.astype(v.dtype), num_householder=m,
                                chunk_size=chunk_size)
     q_, k_, v_, h_, do_ = operands[:5]
@@ -454,7 +486,7 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     args = (q_, k_, v_, h_, g_, runs_, do_)
     kw = dict(scale=scale, tokens=tokens, m=m, interpret=interpret)
     dq, dk, dv, dh, dg = (_wide(*args, **kw) if sizes.two_kernels
-                          else _one_kernel(*args, slots=sizes.slots, **kw))
+                          else _one_kernel(*args, q_factor, slots=sizes.slots, **kw))
     dk = dk.reshape(batch, padded_tokens * m, heads, key_dim)
     dv = dv.reshape(batch, padded_tokens * m, heads, value_dim)
     return (dq[:, :tokens], dk[:, :tokens * m], dv[:, :tokens * m], dh,

@@ -204,10 +204,11 @@ def test_backward_q_factor_needs_one_kernel():
     with pytest.raises(ValueError, match=r"q_factor must be \[B, T, H\]"):
         chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, scale=0.1, chunk_size=64, num_householder=1,
                            interpret=True, q_factor=jnp.ones(q.shape[:2]))
-    rule = dispatch.queries_l2norm_vjp_in_chunk_o_kernel
+    rule = functools.partial(dispatch.queries_l2norm_vjp_in_chunk_o_kernel, gated=False)
     assert rule("mosaic", 128, 100) and rule("mosaic_interpret", 48, 64)
     assert not rule("mosaic", 192, 64) and not rule("pallas", 64, 64)
     assert not rule("interpret", 64, 64) and not rule("xla", 64, 64)
+    assert not dispatch.queries_l2norm_vjp_in_chunk_o_kernel("mosaic", 128, 128, gated=True)
 
 
 def test_backward_block_sizes_rule_and_check():
@@ -295,10 +296,10 @@ def test_full_op():
 
 @needs_interpreter
 def test_full_op_l2norm_gradients():
-    """use_qk_l2norm's gradient under "mosaic_interpret": q's normalisation VJP inside the Mosaic
-    backward, k's inside the WY VJP kernel, no kernel of its own; every input's gradient against
-    float64 autodiff of the recurrence."""
-    case = Case(90, 64, 128, 2, 64, dtype="bfloat16", batch=1)
+    """use_qk_l2norm's ungated gradient under "mosaic_interpret": q's normalisation VJP inside the
+    Mosaic backward, k's inside the WY VJP kernel, no kernel of its own; every input's gradient
+    against float64 autodiff of the recurrence."""
+    case = Case(90, 64, 128, 2, 64, dtype="bfloat16", batch=1, gated=False)
     p = build(case, qk_l2norm=True)
     op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
                            segment_ids=p.segment_ids, use_qk_l2norm=True, chunk_size=64,

@@ -192,13 +192,19 @@ def _outside_kernels(jaxpr, primitive: str) -> int:
     return count
 
 
+def _normalisations(jaxpr) -> int:
+    """Passes that normalise q or k before the fused kernels: an XLA rsqrt, or the
+    normalisation's forward kernel (``ops.l2norm.l2norm_and_factor``)."""
+    return _outside_kernels(jaxpr, "rsqrt") + kernel_names(jaxpr).count("gdp_l2norm_fwd")
+
+
 @pytest.mark.parametrize("case", L2NORM_FORWARD_CASES, ids=lambda c: c.id)
 def test_l2norm_forward_inside_the_kernels(case, monkeypatch):
     """Raw q, k of varied norms: o and the final state against the recurrence on their
     normalised values, and against the differentiated path's o (the normalisation a separate
     step), within one rounding of the inputs' dtype. Outside the kernels the undifferentiated
-    jaxpr takes one rsqrt (q's factors; k's are the WY kernel's), the differentiated one two
-    (q and k normalised). The rule's program-count row is a speed threshold, lowered here so
+    jaxpr normalises once (q's factors; k's are the WY kernel's), the differentiated one twice
+    (q and k, by XLA or the normalisation's forward kernel: ``_normalisations``). The rule's program-count row is a speed threshold, lowered here so
     that these small problems take the fused path."""
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
     p = build(case, qk_l2norm=True)
@@ -211,9 +217,8 @@ def test_l2norm_forward_inside_the_kernels(case, monkeypatch):
     o_composed, vjp = jax.vjp(op, p.q, p.k)
     assert_all_close(dict(o=o, final_state=final_state),
                      dict(o=o_composed[0], final_state=o_composed[1]), tolerance(case.dtype))
-    assert _outside_kernels(jax.make_jaxpr(op)(p.q, p.k).jaxpr, "rsqrt") == 1
-    assert _outside_kernels(jax.make_jaxpr(lambda q, k: jax.vjp(op, q, k)[0])(p.q, p.k).jaxpr,
-                            "rsqrt") == 2
+    assert _normalisations(jax.make_jaxpr(op)(p.q, p.k).jaxpr) == 1
+    assert _normalisations(jax.make_jaxpr(lambda q, k: jax.vjp(op, q, k)[0])(p.q, p.k).jaxpr) == 2
 
 
 @pytest.mark.parametrize("case", [Case(77, 32, 16, 2, 16), Case(130, 16, 32, 3, 32, initial_state=False),
@@ -261,8 +266,8 @@ def test_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
 
 def test_l2norm_fused_rule(monkeypatch):
     """dispatch.l2norm_fused's table: Triton kernels throughout, at least 128 walk programs; and
-    the op follows it: q and k are normalised outside the kernels (two rsqrt) with too few walk
-    programs (B * H * value blocks of 64: here 2 * 2 * 1), and inside them (one, q's factors)
+    the op follows it: q and k are normalised outside the fused kernels (two passes) with too few
+    walk programs (B * H * value blocks of 64: here 2 * 2 * 1), and inside them (one, q's factors)
     once the threshold is lowered to the problem's programs, with or without segment ids."""
     fused = dispatch.l2norm_fused
     assert fused("pallas", "pallas", 256) and fused("interpret", "interpret", 128)
@@ -270,9 +275,9 @@ def test_l2norm_fused_rule(monkeypatch):
     assert not fused("xla", "xla", 256) and not fused("pallas", "xla", 256)
     assert not fused("pallas", "mosaic", 256)
     p = build(Case(40, 32, 16, 2, 16), qk_l2norm=True)
-    rsqrts = lambda **kw: _outside_kernels(jax.make_jaxpr(functools.partial(
+    rsqrts = lambda **kw: _normalisations(jax.make_jaxpr(functools.partial(
         gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True, chunk_size=16,
-        implementation="interpret", **kw))(*p.full_args()).jaxpr, "rsqrt")
+        implementation="interpret", **kw))(*p.full_args()).jaxpr)
     assert rsqrts(segment_ids=p.segment_ids) == 2 and rsqrts() == 2
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 4)
     assert rsqrts(segment_ids=p.segment_ids) == 1 and rsqrts() == 1
@@ -349,19 +354,28 @@ def kernel_names(jaxpr) -> list:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_keys_l2norm_vjp_in_the_wy_kernel(dtype):
-    """Where the WY VJP kernel runs (the interpreter: every dtype), use_qk_l2norm's gradient
-    takes the normalisation's own VJP kernel for q alone: k's runs inside the WY VJP. The rule:
-    compiled float32 keeps the separate step (its WY VJP is jnp), and so does the jnp path."""
-    p = build(Case(40, 32, 16, 2, 16, dtype=dtype), qk_l2norm=True)
-    op = functools.partial(gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True, chunk_size=16,
-                           implementation="interpret")
-    loss = lambda q, k: jnp.sum(op(q, k, *p.full_args()[2:])[0].astype(jnp.float32))
-    names = kernel_names(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(p.q, p.k).jaxpr)
+    """Where the WY VJP kernel runs (the interpreter: every dtype) and K is at most 128,
+    use_qk_l2norm's gradient takes the normalisation's own VJP kernel for q alone: k's runs
+    inside the WY VJP. Past 128 keys, or where that kernel does not run (compiled float32, the
+    jnp path), the normalisation is its own step for both."""
+    def kernels(case):
+        p = build(case, qk_l2norm=True)
+        op = functools.partial(gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True,
+                               chunk_size=16, implementation="interpret")
+        loss = lambda q, k: jnp.sum(op(q, k, *p.full_args()[2:])[0].astype(jnp.float32))
+        return kernel_names(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(p.q, p.k).jaxpr)
+
+    names = kernels(Case(40, 32, 16, 2, 16, dtype=dtype))
     assert names.count("gdp_l2norm_bwd") == 1 and names.count("gdp_wy_bwd") == 1, names
+    assert names.count("gdp_l2norm_fwd") == 1, names          # k's rows and factors in one pass
+    names = kernels(Case(40, 256, 16, 1, 16, dtype=dtype))
+    assert names.count("gdp_l2norm_bwd") == 2 and "gdp_l2norm_fwd" not in names, names
     rule = dispatch.keys_l2norm_vjp_in_wy_kernel
-    assert rule("pallas", jnp.bfloat16, False) and rule("pallas", jnp.float16, False)
-    assert rule("interpret", jnp.float32, True)
-    assert not rule("pallas", jnp.float32, False) and not rule("xla", jnp.bfloat16, False)
+    assert rule("pallas", jnp.bfloat16, False, 128) and rule("pallas", jnp.float16, False, 100)
+    assert rule("interpret", jnp.float32, True, 64)
+    assert not rule("pallas", jnp.float32, False, 64) and not rule("xla", jnp.bfloat16, False, 64)
+    assert not rule("pallas", jnp.bfloat16, False, 256)
+    assert not rule("pallas", jnp.bfloat16, False, 200)
 
 
 @pytest.mark.parametrize("name,implementation", GRAD_PARAMS)

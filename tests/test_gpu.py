@@ -374,12 +374,12 @@ FULL_OP_CASES = [
     (Case(333, 200, 256, 3, 32, dtype="bfloat16", heads=2), False),    # walks' rows for chunks other than 64
     (Case(700, 256, 256, 3, 64, gated=False, dtype="float16", heads=2), False),  # chunk_o's two-kernel
                                                                        # Mosaic backward under "pallas"
-    # use_qk_l2norm (raw q, k of varied norms): 16-bit inputs take the normalisation's VJP inside
-    # the WY VJP kernel (keys; bfloat16 on its T^T dw route, float16 on its TF32 route) and the
-    # one-kernel Mosaic backward (queries; K = 256's two kernels leave q to its own kernel);
-    # float32 takes the normalisation's own backward kernel for both.
+    # use_qk_l2norm (raw q, k of varied norms): 16-bit inputs up to K = 128 take the keys'
+    # normalisation VJP inside the WY VJP kernel (bfloat16 on its T^T dw route, float16 on its
+    # TF32 route), ungated ones the queries' inside the one-kernel Mosaic backward; K = 256 and
+    # float32 take the normalisation's own backward kernel for both.
     (Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4), True),
-    (Case(700, 64, 64, 2, 64, dtype="float16", heads=3), True),
+    (Case(700, 64, 64, 2, 64, dtype="float16", gated=False, heads=3), True),
     (Case(517, 256, 256, 2, 64, dtype="bfloat16", heads=2), True),
     (Case(333, 64, 32, 3, 64, heads=3), True),
 ]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gdp_jax._src import dispatch
-from gdp_jax.ops.l2norm import l2norm
+from gdp_jax.ops.l2norm import l2norm, l2norm_and_factor
 from cases import assert_close, seed_of, to64, tolerance
 
 
@@ -47,6 +47,26 @@ def test_against_float64(shape, dtype):
     rows = lambda a: np.asarray(a, np.float64).reshape(-1, shape[-1])
     err = np.linalg.norm(rows(dx) - rows(dx64), axis=1) / np.linalg.norm(rows(dx64), axis=1)
     assert err.max() < 4 * tolerance(dtype), (err.argmax(), err.max())
+
+
+@pytest.mark.parametrize("shape,dtype", CASES, ids=[f"{'x'.join(map(str, s))}-{d}" for s, d in CASES])
+def test_rows_and_factors_against_float64(shape, dtype):
+    """l2norm_and_factor's kernel (one pass writing y and r) against float64, and against the jnp
+    formula it replaces, to within one rounding of y."""
+    rng = np.random.default_rng(seed_of("factor", shape, dtype))
+    scales = np.exp(rng.uniform(-3, 3, shape[:-1] + (1,)))
+    scales.reshape(-1)[0] = 1e-4
+    x = jnp.asarray(rng.standard_normal(shape) * scales, dtype)
+    y, r = jax.jit(lambda x: l2norm_and_factor(x, "interpret"))(x)
+    chex.assert_type([y, r], [x.dtype, jnp.float32])
+    chex.assert_shape([y, r], [shape, shape[:-1]])
+    x64 = to64(x)
+    r64 = 1.0 / np.sqrt(np.sum(x64 * x64, axis=-1) + 1e-6)
+    assert_close(r, r64, tolerance("float32"), "r")
+    assert_close(y, x64 * r64[..., None], tolerance(dtype), "y")
+    y_xla, r_xla = l2norm_and_factor(x, "xla")
+    np.testing.assert_allclose(np.asarray(r), np.asarray(r_xla), rtol=1e-6)
+    assert_close(y, np.asarray(y_xla, np.float64), tolerance(dtype), "y against the jnp formula")
 
 
 def test_jit_vmap_grad():

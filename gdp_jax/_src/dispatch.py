@@ -19,8 +19,8 @@ Where a request cannot run as asked, it runs the next implementation down, never
 | "pallas" chunk_o backward where the Mosaic one runs, K and V padded to at most 128 (jax >= 0.11) | the Mosaic GPU backward, one kernel | 1.2-1.4x faster than the Triton backward on an H200 (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
 | "pallas" chunk_o backward where the Mosaic one runs, K or V padded above 128 (jax >= 0.11) | the Mosaic GPU backward, two kernels (``mosaic_bwd``) | at K = 256, chunk_o forward + backward on Mosaic GPU took 0.97-0.99x the Triton pair's time gated (M = 1..3), 0.90-0.94x ungated, one process on an H100, with the slower forward of the two (RESULTS.md, "The two-kernel Mosaic backward against the Triton one") |
 | "mosaic", the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
-| use_qk_l2norm, the queries, where chunk_o's backward is the one-kernel Mosaic GPU one | the normalisation's VJP inside that kernel (``queries_l2norm_vjp_in_chunk_o_kernel``) | it holds whole dq rows: no pass over HBM of its own |
-| use_qk_l2norm, the keys, where the WY VJP kernel runs | the normalisation's VJP inside that kernel (``keys_l2norm_vjp_in_wy_kernel``) | it sums dk's shares anyway: no pass over HBM of its own |
+| use_qk_l2norm, the queries, ungated, where chunk_o's backward is the one-kernel Mosaic GPU one | the normalisation's VJP inside that kernel (``queries_l2norm_vjp_in_chunk_o_kernel``) | it holds whole dq rows: no pass over HBM of its own (gated it measured slower) |
+| use_qk_l2norm, the keys, K up to 128, where the WY VJP kernel runs | the normalisation's VJP inside that kernel (``keys_l2norm_vjp_in_wy_kernel``) | it sums dk's shares anyway: no pass over HBM of its own (at K = 256 it measured slower) |
 | use_qk_l2norm under "pallas" / "interpret", rows not one power-of-two tile up to 256, or 2^31 elements or more | autodiff of the jnp formula | the backward kernel (``ops.l2norm``) takes one tile per row and 32-bit offsets |
 | use_qk_l2norm, the full op's forward when not differentiated, on the Triton kernels, at least 128 walk programs | q and k normalised inside the kernels (``l2norm_fused``) | two XLA passes fewer (RESULTS.md, "use_qk_l2norm") |
 
@@ -188,20 +188,39 @@ def l2norm_fused(states: str, chunk_o_forward: str, walk_programs: int) -> bool:
     return kernels and walk_programs >= L2NORM_FUSED_MIN_WALK_PROGRAMS
 
 
-def keys_l2norm_vjp_in_wy_kernel(states: str, dtype, interpret: bool) -> bool:
+# Keys up to this padded width take their l2norm VJP inside the WY VJP kernel.
+KEYS_L2NORM_IN_WY_MAX_WIDTH = 128
+
+
+def keys_l2norm_vjp_in_wy_kernel(states: str, dtype, interpret: bool, key_dim: int) -> bool:
     """Whether use_qk_l2norm's VJP for the keys runs inside the WY VJP kernel (``wy_bwd_pallas``
-    with ``key_factor``), given what ``states_implementation`` answered: wherever that kernel runs
-    (``wy_bwd_runs_kernel``), since it sums dk's shares anyway and the projection then costs no
-    pass over HBM; elsewhere the normalisation is its own step (``l2norm_implementation``)."""
-    return states in ("pallas", "interpret") and wy_bwd_runs_kernel(dtype, interpret)
+    with ``key_factor``), given what ``states_implementation`` answered; elsewhere the
+    normalisation is its own step (``l2norm_implementation``). One H100, bf16, M = 2, gated
+    (RESULTS.md, "use_qk_l2norm's VJP inside the backward kernels"):
+
+    | case | in the kernel | why |
+    |---|---|---|
+    | the WY VJP kernel does not run (``wy_bwd_runs_kernel``: compiled float32) | no | nothing to fuse into |
+    | keys padded past KEYS_L2NORM_IN_WY_MAX_WIDTH | no | K = 256: the kernel 2.667 ms against 2.064, more than the 0.518 ms pass it saves (its extra gram dots and second reads of the dk shares over four key blocks) |
+    | otherwise | yes | K = 128: the kernel +0.14 ms, the 0.273 ms pass gone |
+    """
+    return (states in ("pallas", "interpret") and wy_bwd_runs_kernel(dtype, interpret)
+            and tile_width(key_dim) <= KEYS_L2NORM_IN_WY_MAX_WIDTH)
 
 
-def queries_l2norm_vjp_in_chunk_o_kernel(backward: str, key_dim: int, value_dim: int) -> bool:
+def queries_l2norm_vjp_in_chunk_o_kernel(backward: str, key_dim: int, value_dim: int,
+                                         gated: bool) -> bool:
     """Whether use_qk_l2norm's VJP for the queries runs inside chunk_o's backward kernel
     (``chunk_o_bwd_mosaic`` with ``q_factor``), given what ``chunk_o_backward_implementation``
-    answered: where that is the one-kernel Mosaic GPU backward, whose dq tiles are whole rows;
-    elsewhere the normalisation is its own step (``l2norm_implementation``)."""
-    return (backward in ("mosaic", "mosaic_interpret")
+    answered; elsewhere the normalisation is its own step (``l2norm_implementation``):
+
+    | case | in the kernel | why |
+    |---|---|---|
+    | not the one-kernel Mosaic GPU backward (K or V past 128, Triton, jnp) | no | only that kernel holds whole dq rows |
+    | gated | no | the kernel took 0.19-0.21 ms longer, against 0.142 for the separate pass (one H100, B8 T4096 H16 K128 M2; RESULTS.md, "use_qk_l2norm's VJP inside the backward kernels") |
+    | ungated | yes | the kernel 0.006 ms longer, the 0.142 ms pass gone (same run) |
+    """
+    return (backward in ("mosaic", "mosaic_interpret") and not gated
             and _mosaic_width(key_dim, value_dim) <= MOSAIC_BWD_ONE_KERNEL_WIDTH)
 
 

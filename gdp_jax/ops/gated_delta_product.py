@@ -29,15 +29,14 @@ import jax.numpy as jnp
 
 from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
-from gdp_jax._src.layout import (l2norm_and_factor, l2norm_factor, l2norm_scale, pad_state,
-                                  tile_width)
+from gdp_jax._src.layout import l2norm_factor, l2norm_scale, pad_state, tile_width
 from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas
 from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
 from gdp_jax.ops.chunk_h.xla import chunk_h_xla
 from gdp_jax.ops.chunk_o import chunk_o, chunk_o_scaled_forward
 from gdp_jax.ops.cumsum import chunk_local_log2_cumsum, expanded_log2_decays, sub_chunk_size
-from gdp_jax.ops.l2norm import l2norm
+from gdp_jax.ops.l2norm import l2norm, l2norm_and_factor
 from gdp_jax.ops.wy.pallas_bwd import wy_bwd_pallas
 from gdp_jax.ops.wy.pallas_fwd import wy_pallas
 from gdp_jax.ops.wy.xla import wy_bwd_xla, wy_xla
@@ -210,8 +209,8 @@ def chunk_states(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_hou
     stage = dict(chunk_size=chunk_size, num_householder=num_householder)
     states = dispatch.states_implementation(implementation, k.dtype, k.shape[-1], v.shape[-1])
     interpret = states == "interpret"
-    in_wy_kernel = normalize_keys and dispatch.keys_l2norm_vjp_in_wy_kernel(states, k.dtype,
-                                                                           interpret)
+    in_wy_kernel = normalize_keys and dispatch.keys_l2norm_vjp_in_wy_kernel(
+        states, k.dtype, interpret, k.shape[-1])
     if normalize_keys and not in_wy_kernel:
         k = l2norm(k, implementation)
     if states == "xla":
@@ -362,10 +361,12 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     return outputs
 
 
-def _normalized_keys(k, normalize: bool):
+def _normalized_keys(k, normalize: bool, interpret: bool):
     """(k or its l2norm rows, their factors [B, P, H] float32 or None): ``ops.l2norm``'s formula,
     the factors kept for the VJP."""
-    return l2norm_and_factor(k) if normalize else (k, None)
+    if not normalize:
+        return k, None
+    return l2norm_and_factor(k, "interpret" if interpret else "pallas")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -374,14 +375,14 @@ def _states(k, v, beta, g, runs, initial_state, config):
     normalize flag, k's l2norm rows), so that the cotangent of k's other use (the output stage)
     enters _states_bwd."""
     chunk_size, m, interpret, normalize = config
-    k, _ = _normalized_keys(k, normalize)
+    k, _ = _normalized_keys(k, normalize, interpret)
     return states_pallas(k, v, beta, g, runs, initial_state, chunk_size=chunk_size,
                          num_householder=m, interpret=interpret) + (k,)
 
 
 def _states_fwd(k, v, beta, g, runs, initial_state, config):
     chunk_size, m, interpret, normalize = config
-    k, factor = _normalized_keys(k, normalize)
+    k, factor = _normalized_keys(k, normalize, interpret)
     h, v_new, final_state, saved = states_pallas(
         k, v, beta, g, runs, initial_state, chunk_size=chunk_size, num_householder=m,
         interpret=interpret, every_sub_chunk=True)

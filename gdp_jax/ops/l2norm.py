@@ -8,6 +8,11 @@ the passes that consume y; the backward is a Pallas kernel (Triton lowering), on
 that reads x and dy and writes dx, recomputing r from x, so x is the only residual. Rows are
 ``[N, D]`` tiles of 64 rows; the last block's extra rows are masked. Measured against autodiff
 of the formula, and a forward kernel against XLA's, in RESULTS.md ("use_qk_l2norm").
+
+``l2norm_and_factor``: y and r for a backward kernel that applies the normalisation's VJP itself
+(no custom_vjp here), in one pass over x: a Pallas kernel where the backward kernel would run
+(XLA writes y and r in two passes, reading x twice: RESULTS.md, "use_qk_l2norm's VJP inside the
+backward kernels").
 """
 from __future__ import annotations
 
@@ -19,9 +24,10 @@ from jax.experimental import pallas as pl
 
 from gdp_jax._src import dispatch
 from gdp_jax._src.layout import L2NORM_EPS, l2norm as l2norm_xla
+from gdp_jax._src.layout import l2norm_and_factor as l2norm_and_factor_xla
 from gdp_jax._src.pallas import load_rows, plgpu, triton_call
 
-__all__ = ["l2norm"]
+__all__ = ["l2norm", "l2norm_and_factor"]
 
 BLOCK_ROWS = 64
 NUM_WARPS = 4
@@ -81,3 +87,33 @@ def _call(x, dy, interpret: bool):
         out_shape=jax.ShapeDtypeStruct((rows, width), x.dtype),
         num_warps=NUM_WARPS, num_stages=1, interpret=interpret)
     return out.reshape(shape)
+
+
+def l2norm_and_factor(x: jax.Array, implementation: str = "xla"):
+    """(y, r): ``l2norm(x)``'s rows in x's dtype and their float32 factors [...] (``layout.
+    l2norm_and_factor``'s formula), not differentiable: for a custom_vjp whose backward kernel
+    applies the normalisation's VJP. One Pallas pass over x where ``dispatch.l2norm_implementation``
+    takes the kernels, the jnp formula otherwise."""
+    impl = dispatch.l2norm_implementation(implementation, x.dtype, x.shape[-1], x.size)
+    if impl == "xla":
+        return l2norm_and_factor_xla(x)
+    shape, width = x.shape, x.shape[-1]
+    rows = x.size // width
+    spec = pl.BlockSpec((BLOCK_ROWS, width), lambda i: (i, 0))
+    y, r = triton_call(
+        functools.partial(_forward_kernel, rows=rows, eps=L2NORM_EPS), x.reshape(rows, width),
+        name="gdp_l2norm_fwd", grid=(pl.cdiv(rows, BLOCK_ROWS),), in_specs=(spec,),
+        out_specs=(spec, pl.BlockSpec((BLOCK_ROWS,), lambda i: (i,))),
+        out_shape=(jax.ShapeDtypeStruct((rows, width), x.dtype),
+                   jax.ShapeDtypeStruct((rows,), jnp.float32)),
+        num_warps=NUM_WARPS, num_stages=1, interpret=impl == "interpret")
+    return y.reshape(shape), r.reshape(shape[:-1])
+
+
+def _forward_kernel(x_ref, y_ref, r_ref, *, rows: int, eps: float):
+    first = pl.program_id(0) * BLOCK_ROWS
+    row_valid = first + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0) < rows
+    x = load_rows(x_ref, row_valid).astype(jnp.float32)                 # [BR, D]
+    r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) + eps)                      # [BR]
+    plgpu.store(y_ref, (x * r[:, None]).astype(y_ref.dtype), mask=row_valid[:, None])
+    plgpu.store(r_ref, r, mask=row_valid)

@@ -18,14 +18,14 @@ import jax.numpy as jnp
 
 from gdp_jax._src import dispatch
 from gdp_jax._src import validation as val
-from gdp_jax._src.layout import l2norm_and_factor, pad_last, pad_state, tile_width
+from gdp_jax._src.layout import pad_last, pad_state, tile_width
 from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_o.mosaic_bwd import chunk_o_bwd_mosaic
 from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_o_fwd_mosaic
 from gdp_jax.ops.chunk_o.pallas_bwd import chunk_o_bwd_pallas
 from gdp_jax.ops.chunk_o.pallas_fwd import chunk_o_fwd_pallas
 from gdp_jax.ops.chunk_o.xla import chunk_o_xla
-from gdp_jax.ops.l2norm import l2norm
+from gdp_jax.ops.l2norm import l2norm, l2norm_and_factor
 
 __all__ = ["chunk_gdp_fwd_o", "chunk_o", "chunk_o_scaled_forward"]
 
@@ -106,7 +106,7 @@ def chunk_o(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_household
     backward = dispatch.chunk_o_backward_implementation(forward, q.dtype, q.shape[-1],
                                                         v.shape[-1], chunk_size, h.dtype)
     in_kernel = normalize_queries and dispatch.queries_l2norm_vjp_in_chunk_o_kernel(
-        backward, q.shape[-1], v.shape[-1])
+        backward, q.shape[-1], v.shape[-1], gated=g is not None)
     if normalize_queries and not in_kernel:
         q = l2norm(q, implementation)
     config = _Config(scale=scale, chunk_size=chunk_size, num_householder=num_householder,
@@ -204,15 +204,20 @@ def _pad_to_tiles(q, k, v, h, *value_width_arrays, width=tile_width):
     return padded, unpad
 
 
+def _normalized_queries(q, config: _Config):
+    """(q or its l2norm rows, their factors [B, T, H] float32 or None)."""
+    if not config.normalize_queries:
+        return q, None
+    return l2norm_and_factor(q, dispatch.triton_counterpart(config.backward_implementation))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _chunk_o(q, k, v, h, g, runs, config):
-    if config.normalize_queries:
-        q = l2norm_and_factor(q)[0]
-    return _forward(q, k, v, h, g, runs, config)
+    return _forward(_normalized_queries(q, config)[0], k, v, h, g, runs, config)
 
 
 def _chunk_o_fwd(q, k, v, h, g, runs, config):
-    q, q_factor = l2norm_and_factor(q) if config.normalize_queries else (q, None)
+    q, q_factor = _normalized_queries(q, config)
     return _forward(q, k, v, h, g, runs, config), (q, k, v, h, g, runs, q_factor)
 
 

@@ -116,10 +116,10 @@ def _pair_terms(rows_left, g_copies, sr_s, in_bar, interpret):
     return w, weigh, w.pair_mask & (s_ids < t_ids)
 
 
-def _add_z_sums(dg_row, dg_col, score, dpv_scaled, below_diagonal):
-    """dg_row + rowsum(Z), dg_col + colsum(Z) for Z = S_m ⊙ scale dpv_m strictly below the
-    diagonal (None: nothing summed yet)."""
-    z = jnp.where(below_diagonal, score * dpv_scaled, 0.0)
+def _add_z_sums(dg_row, dg_col, product, below_diagonal):
+    """dg_row + rowsum(Z), dg_col + colsum(Z) for Z = S_m ⊙ scale dpv_m (``product``) strictly
+    below the diagonal (None: nothing summed yet)."""
+    z = jnp.where(below_diagonal, product, 0.0)
     row, col = jnp.sum(z, axis=1), jnp.sum(z, axis=0)
     return (row if dg_row is None else dg_row + row), (col if dg_col is None else dg_col + col)
 
@@ -223,7 +223,7 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
             _store_dv_dk(s_s, da_s, q_s, do_s, dv_s, dk_s, dv_g.at[b, rows, copy * heads + hd],
                          dk_g.at[b, rows, copy * heads + hd], scale, interpret)
             if has_g:
-                dg_row_, dg_col_ = _add_z_sums(dg_row_, dg_col_, score, scale * dpv,
+                dg_row_, dg_col_ = _add_z_sums(dg_row_, dg_col_, score * (scale * dpv),
                                                below_diagonal)
         return dg_row_, dg_col_
 
@@ -278,7 +278,7 @@ def _copies_kernel(*refs, scale: float, tokens: int, num_householder: int, heads
             load_kv(copy + 1)
         d_score = weigh(scale * dpv)                                         # dA_m
         if has_g:
-            dg_row, dg_col = _add_z_sums(dg_row, dg_col, score, scale * dpv, below_diagonal)
+            dg_row, dg_col = _add_z_sums(dg_row, dg_col, score * (scale * dpv), below_diagonal)
         mg.wait_stores_read()            # the previous copy's dA, dk, dv have left
         s_s[...] = score.astype(s_s.dtype)
         da_s[...] = d_score.astype(da_s.dtype)

@@ -166,9 +166,8 @@ def test_backward_kv_slots(case, slots):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("case", [Case(150, 64, 128, 2, 64, dtype="bfloat16"),
-                                  Case(77, 64, 128, 1, 64, dtype="float16", gated=False),
-                                  Case(100, 128, 64, 3, 64, dtype="bfloat16", segments=False)],
+@pytest.mark.parametrize("case", [Case(150, 64, 128, 2, 64, dtype="bfloat16", gated=False),
+                                  Case(100, 128, 64, 3, 64, dtype="float16", segments=False)],
                          ids=case_id)
 def test_backward_q_factor(case):
     """q_factor: given l2norm's rows q = r x of raw queries x and their factors r, dq is the

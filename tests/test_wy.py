@@ -388,13 +388,12 @@ def _pull_back(t, x, sub_chunk):
 # k·dRw (directly from dRw, and as colsum(T ∘ dW K^T)), with and without the walk's share gates,
 # the 16-bit operands of bfloat16 inputs, and column blocks narrower than K.
 NORMALIZED_CASES = {
-    "S32-g-seg-f32": (32, True, True, "float32", False, dict(walk_share_gates=True)),
+    "S32-g-seg-f32-cols16": (32, True, True, "float32", False,
+                             dict(walk_share_gates=True, block_sizes=BlockSizes(block_cols=16))),
     "S16-f32-tf32-rhs": (16, False, False, "float32", True, dict(precision=None)),
     "S64-g-seg-bf16-rhs": (64, True, True, "bfloat16", True,
                            dict(operand_dtype=jnp.bfloat16, walk_share_gates=True,
                                 out_dtype=jnp.bfloat16)),
-    "S32-g-f32-cols16": (32, True, False, "float32", False,
-                         dict(block_sizes=BlockSizes(block_cols=16))),
 }
 
 

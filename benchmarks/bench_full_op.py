@@ -11,7 +11,8 @@ Run on a GPU box from the repo root (fla and torch importable for the fla column
 Columns, per shape (inputs: common.make_problems(op="full"), --sets rotated; every JAX function
 jitted; fla with CUDA events on torch views of the same buffers):
   * ours_fwd:        o, final_state of chunk_gated_delta_product(implementation=--impl), gated;
-  * ours_fwdbwd:     value and gradient of sum(o * do) in q, k, v, g, beta (gated);
+  * ours_fwdbwd:     o and its VJP for the cotangent do (jax.vjp, as fla's o.backward(do)):
+                     the cotangents of q, k, v, g, beta (gated);
   * ours_fwdbwd_ng:  the same without g (to compare with fla's ungated backward);
   * xla_fwd:         the jnp path (implementation="xla"), for scale;
   * stage_states, stage_o: the forward's stages alone (stages 2-3 through the documented stage
@@ -110,11 +111,16 @@ def our_fns(module, impl, shp, args, prefix):
         kw["use_qk_l2norm"] = True
 
     def fwdbwd(gated):
-        def loss(q, k, v, g, beta, s, do):
-            o, _ = module.chunk_gated_delta_product(q, k, v, g if gated else None, beta,
-                                                    segment_ids=s, **kw)
-            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4) if gated else (0, 1, 2, 4)))
+        # o and the inputs' cotangents for o's cotangent do, as fla's o.backward(do): no loss
+        # (a sum(o * do) would add a reduction over o that fla does not run).
+        def run(q, k, v, g, beta, s, do):
+            def op(q, k, v, g, beta):
+                return module.chunk_gated_delta_product(q, k, v, g if gated else None, beta,
+                                                        segment_ids=s, **kw)[0]
+            o, vjp = jax.vjp(op, q, k, v, g, beta)
+            grads = vjp(do.astype(o.dtype))
+            return o, grads if gated else grads[:3] + grads[4:]
+        return jax.jit(run)
 
     return {f"{prefix}_fwd": jax.jit(lambda q, k, v, g, beta, s, do: module.chunk_gated_delta_product(
                 q, k, v, g, beta, segment_ids=s, **kw)),

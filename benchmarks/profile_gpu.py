@@ -16,7 +16,7 @@ use_qk_l2norm=True (the normalisation's XLA passes and their gradients among the
 --mode stages: the stages of the op's Pallas path alone, each jitted and timed like the bench
 scripts (common.time_jax), on the operands the op gives them (the sub-chunk grid of the expanded
 stream; residuals from ops.gated_delta_product.states_pallas, random cotangents):
-  op_fwd, op_fwdbwd: the whole op (forward; value and gradient in q, k, v, g, beta), for the sum;
+  op_fwd, op_fwdbwd: the whole op (forward; o and its VJP in q, k, v, g, beta), for the sum;
   states_fwd / states_fwd_rule: stages 1-3 forward, plain and as the custom_vjp's forward rule
                  (which also keeps the state before every sub-chunk);
   wy_fwd, walk_fwd: the WY kernel and the state walk alone;
@@ -133,14 +133,19 @@ def op_fns(p, impl, l2norm=False):
     op = lambda q, k, v, g, beta, s: chunk_gated_delta_product(
         q, k, v, g, beta, segment_ids=s, chunk_size=p.chunk_size, use_qk_l2norm=l2norm,
         implementation=impl)[0]
-    loss = lambda q, k, v, g, beta, s, do: jnp.sum(op(q, k, v, g, beta, s).astype(jnp.float32)
-                                                   * do.astype(jnp.float32))
+    def fwdbwd(gated):   # o and its VJP for the cotangent do (fla's o.backward(do)): no loss
+        def run(q, k, v, g, beta, s, do):
+            o, vjp = jax.vjp(lambda q, k, v, g, beta: op(q, k, v, g if gated else None, beta, s),
+                             q, k, v, g, beta)
+            grads = vjp(do.astype(o.dtype))
+            return o, grads if gated else grads[:3] + grads[4:]
+        return jax.jit(run)
+
     args = (p.q, p.k, p.v, p.g, p.beta, p.segment_ids, p.do)
     return {
         "fwd": (jax.jit(lambda q, k, v, g, beta, s, do: op(q, k, v, g, beta, s)), args),
-        "fwdbwd": (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), args),
-        "fwdbwd_ng": (jax.jit(jax.value_and_grad(
-            lambda q, k, v, g, beta, s, do: loss(q, k, v, None, beta, s, do), argnums=(0, 1, 2, 4))), args),
+        "fwdbwd": (fwdbwd(True), args),
+        "fwdbwd_ng": (fwdbwd(False), args),
     }
 
 

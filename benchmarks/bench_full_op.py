@@ -104,7 +104,6 @@ def our_fns(module, impl, shp, args, prefix):
     """{prefix_fwd, prefix_fwdbwd, prefix_fwdbwd_ng}: module.chunk_gated_delta_product (ours or the
     baseline's) on (q, k, v, g, beta, segment_ids, do), jitted."""
     import jax
-    import jax.numpy as jnp
     kw = dict(num_householder=shp["M"], chunk_size=args.chunk, output_final_state=True,
               implementation=impl)
     if args.l2norm:

@@ -126,7 +126,6 @@ def traced_kernel_times(fn, fn_args, calls: int, trace_dir: str):
 def op_fns(p, impl, l2norm=False):
     """{fwd, fwdbwd, fwdbwd_ng}: (fn, args) of the full op on Problem p (``use_qk_l2norm=l2norm``)."""
     import jax
-    import jax.numpy as jnp
 
     from gdp_jax import chunk_gated_delta_product
 

@@ -40,7 +40,7 @@ import gc
 
 
 from common import (SHAPE_SETS, Phases, TorchRunner, add_dtype_arg, add_ratios, add_timing_args,
-                    run_shapes,
+                    run_shapes, full_op_fwdbwd,
                     fla_full_op_args, fmt, load_baseline, log, make_problems, measure, ms_cell,
                     on_cpu, parse_shapes, print_table, relative_errors, run_meta, shape_label,
                     shape_sets_epilog, short_exc, time_into_row, timing_kwargs, try_load_fla,
@@ -109,21 +109,12 @@ def our_fns(module, impl, shp, args, prefix):
     if args.l2norm:
         kw["use_qk_l2norm"] = True
 
-    def fwdbwd(gated):
-        # o and the inputs' cotangents for o's cotangent do, as fla's o.backward(do): no loss
-        # (a sum(o * do) would add a reduction over o that fla does not run).
-        def run(q, k, v, g, beta, s, do):
-            def op(q, k, v, g, beta):
-                return module.chunk_gated_delta_product(q, k, v, g if gated else None, beta,
-                                                        segment_ids=s, **kw)[0]
-            o, vjp = jax.vjp(op, q, k, v, g, beta)
-            grads = vjp(do.astype(o.dtype))
-            return o, grads if gated else grads[:3] + grads[4:]
-        return jax.jit(run)
-
+    op = lambda q, k, v, g, beta, s: module.chunk_gated_delta_product(
+        q, k, v, g, beta, segment_ids=s, **kw)[0]
     return {f"{prefix}_fwd": jax.jit(lambda q, k, v, g, beta, s, do: module.chunk_gated_delta_product(
                 q, k, v, g, beta, segment_ids=s, **kw)),
-            f"{prefix}_fwdbwd": fwdbwd(True), f"{prefix}_fwdbwd_ng": fwdbwd(False)}
+            f"{prefix}_fwdbwd": full_op_fwdbwd(op, True),
+            f"{prefix}_fwdbwd_ng": full_op_fwdbwd(op, False)}
 
 
 def stage_fns(impl, shp, args):

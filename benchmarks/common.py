@@ -852,6 +852,21 @@ def fla_full_op_args(fla, p: Problem):
     return tq, tk, tv, tg, tb, tdo, cu
 
 
+def full_op_fwdbwd(op, gated: bool):
+    """Forward + backward of the full op as fla's ``o.backward(do)`` runs it: jit of (q, k, v, g,
+    beta, s, do) -> (o, cotangents of q, k, v, [g,] beta) for o's cotangent do, through jax.vjp
+    of ``op(q, k, v, g, beta, s) -> o`` (g None when not ``gated``). No loss: a sum(o * do) would
+    add a reduction over o that fla does not run."""
+    import jax
+
+    def run(q, k, v, g, beta, s, do):
+        o, vjp = jax.vjp(lambda q, k, v, g, beta: op(q, k, v, g if gated else None, beta, s),
+                         q, k, v, g, beta)
+        grads = vjp(do.astype(o.dtype))
+        return o, grads if gated else grads[:3] + grads[4:]
+    return jax.jit(run)
+
+
 # --------------------------------------------------------------------------------------- baseline
 _BASELINES = {}
 

@@ -45,8 +45,8 @@ import gzip
 import json
 import os
 
-from common import (Phases, add_dtype_arg, copy_bandwidth, fmt, log, make_problems, matmul_rate,
-                    nbytes, on_cpu, parse_shapes, print_table, roofline_ms, run_meta, short_exc,
+from common import (Phases, add_dtype_arg, copy_bandwidth, fmt, full_op_fwdbwd, log, make_problems,
+                    matmul_rate, nbytes, on_cpu, parse_shapes, print_table, roofline_ms, run_meta, short_exc,
                     time_jax, write_json)
 
 
@@ -132,19 +132,11 @@ def op_fns(p, impl, l2norm=False):
     op = lambda q, k, v, g, beta, s: chunk_gated_delta_product(
         q, k, v, g, beta, segment_ids=s, chunk_size=p.chunk_size, use_qk_l2norm=l2norm,
         implementation=impl)[0]
-    def fwdbwd(gated):   # o and its VJP for the cotangent do (fla's o.backward(do)): no loss
-        def run(q, k, v, g, beta, s, do):
-            o, vjp = jax.vjp(lambda q, k, v, g, beta: op(q, k, v, g if gated else None, beta, s),
-                             q, k, v, g, beta)
-            grads = vjp(do.astype(o.dtype))
-            return o, grads if gated else grads[:3] + grads[4:]
-        return jax.jit(run)
-
     args = (p.q, p.k, p.v, p.g, p.beta, p.segment_ids, p.do)
     return {
         "fwd": (jax.jit(lambda q, k, v, g, beta, s, do: op(q, k, v, g, beta, s)), args),
-        "fwdbwd": (fwdbwd(True), args),
-        "fwdbwd_ng": (fwdbwd(False), args),
+        "fwdbwd": (full_op_fwdbwd(op, True), args),
+        "fwdbwd_ng": (full_op_fwdbwd(op, False), args),
     }
 
 

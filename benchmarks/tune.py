@@ -357,7 +357,8 @@ class WyT(Wy):
 
 class WyTL2norm(WyT):
     """WyT normalising the keys itself and returning their factors (``normalize_keys``), as the
-    undifferentiated forward with use_qk_l2norm calls it where ``dispatch.l2norm_fused`` takes it."""
+    undifferentiated forward with use_qk_l2norm calls it where ``dispatch.l2norm_fused`` takes it
+    and ``dispatch.l2norm_keys_written`` does not."""
     normalize_keys = True
 
 

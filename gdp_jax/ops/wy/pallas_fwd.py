@@ -168,19 +168,9 @@ def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inv
             scale_rows.append(l2norm_scale(jnp.sum(diagonal, axis=1)))
             scale_cols.append(l2norm_scale(jnp.sum(diagonal, axis=0)))
             key_scale_ref[rows_of(i)] = scale_rows[i]
-
-    def store_normalized_keys():
-        # Last, from k's rows loaded again in 32-column pieces (this program's own, just read):
-        # a whole [16, K] float32 copy beside the live key tiles spills.
-        if normalized_ref is None:
-            return
-        width = min(32, k_ref.shape[-1])
-        for i in range(nb):
-            for c in range(0, k_ref.shape[-1], width):
-                cols = pl.ds(c, width)
-                normalized_ref[rows_of(i), cols] = (
-                    k_ref[rows_of(i), cols].astype(f32) * scale_rows[i][:, None]
-                ).astype(normalized_ref.dtype)
+            if normalized_ref is not None:    # stored at once, so that no scaled copy stays live
+                normalized_ref[rows_of(i), :] = (keys[i].astype(f32) * scale_rows[i][:, None]
+                                                 ).astype(normalized_ref.dtype)
 
     def a_block(i, l):                        # A[rows of block i, columns of block l], l <= i
         gram = grams[i, l] if (i, l) in grams else gram_of(i, l)
@@ -249,7 +239,6 @@ def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inv
                 inverse_ref[rows_of(i), pl.ds(l * _BLOCK, _BLOCK)] = block.astype(inverse_ref.dtype)
 
     if w_ref is None:             # T alone: the walk applies it (chunk_h.pallas_fwd, `inverse`)
-        store_normalized_keys()
         return
     # Right-hand sides, block by block: beta v and beta live 2^gamma k.
     if has_segments:
@@ -277,7 +266,6 @@ def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inv
             w_acc = dw if w_acc is None else w_acc + dw
         u_ref[rows_of(i), :] = u_acc.astype(u_ref.dtype)
         w_ref[rows_of(i), :] = w_acc.astype(w_ref.dtype)
-    store_normalized_keys()
 
 
 def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: bool = False,

@@ -357,8 +357,7 @@ class WyT(Wy):
 
 class WyTL2norm(WyT):
     """WyT normalising the keys itself and returning their factors (``normalize_keys``), as the
-    undifferentiated forward with use_qk_l2norm calls it where ``dispatch.l2norm_fused`` takes it
-    and ``dispatch.l2norm_keys_written`` does not."""
+    undifferentiated forward with use_qk_l2norm calls it where ``dispatch.l2norm_fused`` takes it."""
     normalize_keys = True
 
 

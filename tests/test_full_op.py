@@ -206,8 +206,8 @@ def test_l2norm_forward_inside_the_kernels(case, monkeypatch):
     jaxpr normalises once (q's factors; k's are the WY kernel's), and so does the differentiated
     one where the keys' VJP runs in the WY VJP kernel (q by XLA or the normalisation's forward
     kernel: ``_normalisations``; k's rows written by the WY kernel), twice elsewhere (K = 256).
-    The keys-written rule's program count is a speed threshold, lowered here so that the walk
-    applies the keys' factors (test_l2norm_fused_rule covers the written keys)."""
+    The rule's program-count row is a speed threshold, lowered here so that these small problems
+    take the fused path."""
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
     p = build(case, qk_l2norm=True)
     op = l2norm_op_of_qk(p, "interpret")
@@ -255,8 +255,8 @@ def test_float32_wy_stage_in_jnp(case, monkeypatch):
 
 
 def test_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
-    """Where the undifferentiated forward is fused (the keys' factors applied by the walk: the
-    threshold lowered), the gradient goes through _l2norm_op's custom_vjp (its forward rule the composed op, its
+    """Where the undifferentiated forward is fused (threshold lowered), the
+    gradient goes through _l2norm_op's custom_vjp (its forward rule the composed op, its
     backward that op's VJP): every input's gradient against float64 autodiff of the
     recurrence, and the op's value under value_and_grad."""
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
@@ -270,41 +270,30 @@ def test_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
 
 
 def test_l2norm_fused_rule(monkeypatch):
-    """dispatch.l2norm_fused's table (Triton kernels throughout) and l2norm_keys_written's (fewer
-    than 128 walk programs), and the op follows them. With few walk programs (B * H * value blocks
-    of 64: here 2 * 2 * 1) the WY kernel writes the normalised keys for the walk and chunk_o, one
-    output more than where the kernels apply the factors (the threshold lowered to the problem's
-    programs), with or without segment ids; q's factors are one reduction outside the kernels
-    either way. o and the final state match the recurrence on the normalised q, k in both modes."""
-    assert dispatch.l2norm_fused("pallas", "pallas") and dispatch.l2norm_fused("interpret", "interpret")
-    assert not dispatch.l2norm_fused("xla", "xla") and not dispatch.l2norm_fused("pallas", "xla")
-    assert not dispatch.l2norm_fused("pallas", "mosaic")
-    written = dispatch.l2norm_keys_written
-    assert written(32) and written(127) and not written(128)    # B1 H16 V128 has 32
+    """dispatch.l2norm_fused's table: Triton kernels throughout, at least 128 walk programs; and
+    the op follows it. With too few walk programs (B * H * value blocks of 64: here 2 * 2 * 1) the
+    WY kernel writes the normalised keys for the walk and chunk_o, one output more than where the
+    kernels apply the factors (the threshold lowered to the problem's programs), with or without
+    segment ids; q is normalised outside the kernels once either way (its rows, or its factors)."""
+    fused = dispatch.l2norm_fused
+    assert fused("pallas", "pallas", 256) and fused("interpret", "interpret", 128)
+    assert not fused("pallas", "pallas", 127)                   # B1 H16 V128 has 32
+    assert not fused("xla", "xla", 256) and not fused("pallas", "xla", 256)
+    assert not fused("pallas", "mosaic", 256)
     p = build(Case(40, 32, 16, 2, 16), qk_l2norm=True)
-    op = l2norm_op_of_qk(p, "interpret")
-
-    def passes(segments: bool):   # (normalisations outside the kernels, the WY kernel's outputs)
+    def passes(**kw):   # (normalisations outside the kernels, the WY kernel's outputs)
         jaxpr = jax.make_jaxpr(functools.partial(
             gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True, chunk_size=16,
-            implementation="interpret", segment_ids=p.segment_ids if segments else None))(
-                *p.full_args()).jaxpr
+            implementation="interpret", **kw))(*p.full_args()).jaxpr
         (wy_outputs,) = kernel_outputs(jaxpr, "gdp_wy_fwd")
         return _normalisations(jaxpr), wy_outputs
 
-    def check_values():
-        o, final_state = jax.jit(op)(p.q, p.k)
-        assert_close(o, p.ref["o"], tolerance(p.case.dtype), "o")
-        assert_close(final_state, p.ref["final_state"], tolerance(p.case.dtype), "final_state")
-
-    keys_written = passes(True)
-    assert keys_written[0] == 1 and passes(False) == keys_written
-    check_values()
+    unfused = passes(segment_ids=p.segment_ids)
+    assert unfused[0] == 1 and passes() == unfused
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 4)
-    assert passes(True) == passes(False) == (1, keys_written[1] - 1)
-    check_values()
+    assert passes(segment_ids=p.segment_ids) == passes() == (1, unfused[1] - 1)
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 5)
-    assert passes(False) == keys_written
+    assert passes() == unfused
 
 
 # ---------------------------------------------------------------------------------------------

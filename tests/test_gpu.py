@@ -425,8 +425,7 @@ def test_full_op(case, l2norm):
 # compiled WY kernel and applied there, by the walk and by chunk_o, for each chunk_o variant: its
 # K loop at K = 128 (M = 1: 64-key steps; M = 2: 32-key steps; M = 3: with the value-column loop;
 # K = 100 padded), whole rows (K = 64, four chunks a program; float32); with segment ids, and at
-# K = 256 (K = 200 padded). The keys written by the WY kernel instead
-# (dispatch.l2norm_keys_written) on three of them: float16, padded K with M = 3, segments.
+# K = 256 (K = 200 padded).
 L2NORM_FORWARD_CASES = [
     Case(1000, 128, 128, 1, 64, dtype="float16", heads=4, segments=False),
     Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4, segments=False),
@@ -439,23 +438,13 @@ L2NORM_FORWARD_CASES = [
 ]
 
 
-L2NORM_KEYS_WRITTEN = {0, 2, 5}
-
-
-@pytest.mark.parametrize("case,keys", [(c, "factors") for c in L2NORM_FORWARD_CASES]
-                         + [(c, "written") for i, c in enumerate(L2NORM_FORWARD_CASES)
-                            if i in L2NORM_KEYS_WRITTEN],
-                         ids=lambda x: x if isinstance(x, str) else case_id(x))
-def test_full_op_l2norm_forward(case, keys, monkeypatch):
+@pytest.mark.parametrize("case", L2NORM_FORWARD_CASES, ids=case_id)
+def test_full_op_l2norm_forward(case, monkeypatch):
     """o and the final state of the undifferentiated op with use_qk_l2norm (raw q, k of varied
     norms) against the recurrence on the normalised q, k, and against the differentiated
-    path's o, where the normalisation is a step of its own. ``keys``: the walk applies the keys'
-    factors (the program-count threshold, a speed row, lowered below these problems' programs)
-    or reads the rows the WY kernel writes (the threshold as it is: these problems have few)."""
-    threshold = 1 if keys == "factors" else dispatch.L2NORM_FUSED_MIN_WALK_PROGRAMS
-    monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", threshold)
-    value_blocks = -(-case.value_dim // 64)
-    assert dispatch.l2norm_keys_written(case.batch * case.heads * value_blocks) == (keys == "written")
+    path's o, where the normalisation is its own step. The rule's program-count threshold (a
+    speed row) is lowered so that these problems take the fused path."""
+    monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
     p = build(case, qk_l2norm=True)
     op = l2norm_op_of_qk(p, "pallas")
 

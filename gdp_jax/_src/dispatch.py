@@ -22,7 +22,7 @@ Where a request cannot run as asked, it runs the next implementation down, never
 | use_qk_l2norm, the queries, ungated, where chunk_o's backward is the one-kernel Mosaic GPU one | the normalisation's VJP inside that kernel (``queries_l2norm_vjp_in_chunk_o_kernel``) | it holds whole dq rows: no pass over HBM of its own (gated it measured slower) |
 | use_qk_l2norm, the keys, K up to 128, where the WY VJP kernel runs | the normalisation's VJP inside that kernel (``keys_l2norm_vjp_in_wy_kernel``) | it sums dk's shares anyway: no pass over HBM of its own (at K = 256 it measured slower) |
 | use_qk_l2norm under "pallas" / "interpret", rows not one power-of-two tile up to 256, or 2^31 elements or more | autodiff of the jnp formula | the backward kernel (``ops.l2norm``) takes one tile per row and 32-bit offsets |
-| use_qk_l2norm, the full op's forward when not differentiated, on the Triton kernels | q and k normalised inside the kernels (``l2norm_fused``; below 128 walk programs the WY kernel writes the keys, ``l2norm_keys_written``) | two XLA passes fewer (RESULTS.md, "use_qk_l2norm") |
+| use_qk_l2norm, the full op's forward when not differentiated, on the Triton kernels, at least 128 walk programs | q and k normalised inside the kernels (``l2norm_fused``) | two XLA passes fewer (RESULTS.md, "use_qk_l2norm") |
 
 The interpreters have no shared-memory limit and run every 2- and 4-byte input (the Mosaic GPU
 one: what ``mosaic_supported`` accepts). The dtype rules of the full op's Pallas path are the
@@ -166,37 +166,26 @@ def states_implementation(implementation: str, dtype, key_dim: int, value_dim: i
 
 
 # Below this many walk programs (B * H * value blocks) the walk is latency-bound, one step after
-# another on few SMs, and the keys' factors' per-step work shows (l2norm_keys_written).
+# another on few SMs, and the factors' per-step work shows (l2norm_fused).
 L2NORM_FUSED_MIN_WALK_PROGRAMS = 128
 
 
-def l2norm_fused(states: str, chunk_o_forward: str) -> bool:
+def l2norm_fused(states: str, chunk_o_forward: str, walk_programs: int) -> bool:
     """Whether the full op's undifferentiated forward normalises q and k inside its kernels
     (use_qk_l2norm), given what ``states_implementation`` and ``chunk_o_implementation``
-    answered: q's factors (one XLA reduction) go to chunk_o's Triton kernel and k's come from the
-    WY kernel's gram (``l2norm_keys_written`` says how the walk gets them). Under
-    differentiation the normalisation stays a step of the stages' custom_vjps, whose VJPs need
-    the rows. Rows, first match wins (RESULTS.md, "use_qk_l2norm"):
+    answered and the state walk's program count (B * H * value blocks of 64). Under
+    differentiation the normalisation stays a separate step (``ops.l2norm``), whose VJP the
+    backward needs. Rows, first match wins (RESULTS.md,
+    "use_qk_l2norm"):
 
     | case | fused | why |
     |---|---|---|
     | a stage off the Triton kernels ("xla", Mosaic chunk_o) | no | only the Triton kernels take the factors |
+    | fewer than L2NORM_FUSED_MIN_WALK_PROGRAMS walk programs | no | B1 T65536 H16 (32 programs): the op 1.05x, the walk 0.6 ms slower |
     | otherwise | yes | the op's forward 0.93-0.94x (M = 2 at K = 128 and 256, 16 segments a row): two XLA passes for one reduction over q |
     """
-    return states == chunk_o_forward and states in ("pallas", "interpret")
-
-
-def l2norm_keys_written(walk_programs: int) -> bool:
-    """Where ``l2norm_fused`` holds: whether the WY kernel writes the normalised keys for the walk
-    and chunk_o (one write of k's size), rather than the walk applying the factors to the raw keys
-    at every step (nothing written), given the walk's program count (B * H * value blocks of 64):
-
-    | case | written | why |
-    |---|---|---|
-    | fewer than L2NORM_FUSED_MIN_WALK_PROGRAMS walk programs | yes | the walk is latency-bound there: B1 T65536 H16 (32 programs) took 0.6 ms longer applying them |
-    | otherwise | no | the factors cost the walk nothing measurable, the write would |
-    """
-    return walk_programs < L2NORM_FUSED_MIN_WALK_PROGRAMS
+    kernels = states == chunk_o_forward and states in ("pallas", "interpret")
+    return kernels and walk_programs >= L2NORM_FUSED_MIN_WALK_PROGRAMS
 
 
 # Keys up to this padded width take their l2norm VJP inside the WY VJP kernel.

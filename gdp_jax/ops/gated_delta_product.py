@@ -68,10 +68,10 @@ def chunk_gated_delta_product(q: jax.Array, k: jax.Array, v: jax.Array, g: Optio
       segment_ids: [B, T] integer packing ids or None; a new segment (state restarted at zero)
         wherever the id changes. Not differentiable.
       use_qk_l2norm: L2-normalise q and k (per position, eps 1e-6) inside the op; the gradient
-        flows through the normalisation. Undifferentiated on the Triton kernels
-        (``dispatch.l2norm_fused``), the kernels apply the normalisation themselves and no
-        normalised copy of q is written (nor of k, with B * H * ceil(V / 64) >= 128); o then
-        differs from the differentiated call's by about one rounding of the inputs' dtype.
+        flows through the normalisation. Undifferentiated on the Triton kernels, where
+        ``dispatch.l2norm_fused`` takes it (B * H * ceil(V / 64) >= 128), the kernels apply
+        the normalisation themselves and no normalised copy is written; o then differs from
+        the differentiated call's by about one rounding of the inputs' dtype.
       chunk_size: power of two in [16, 128].
       implementation: "pallas", "xla", "interpret", "mosaic", "mosaic_interpret" or None, as for
         chunk_gdp_fwd_o: "xla" is jnp throughout; "pallas" (GPU) and "interpret" run the WY,
@@ -141,42 +141,35 @@ def _composed(q, k, v, g, beta, runs, initial_state, config: _OpConfig, use_qk_l
     return o, final_state
 
 
-def _walk_programs(q, value_dim: int) -> int:
-    """The state walk's programs at 64 value columns (B * H * value blocks; q [B, T, H, K])."""
-    value_width = tile_width(value_dim)
-    return q.shape[0] * q.shape[2] * (value_width // min(value_width, 64))
-
-
 def _l2norm_fused(config: _OpConfig, q, value_dim: int) -> bool:
     """``dispatch.l2norm_fused`` for this op's stages (q [B, T, H, K])."""
-    key_dim = q.shape[-1]
+    batch, _, heads, key_dim = q.shape
     states = dispatch.states_implementation(config.implementation, q.dtype, key_dim, value_dim)
     chunk_o_forward = dispatch.chunk_o_implementation(
         config.implementation, q.dtype, key_dim, value_dim, config.chunk_size,
         dispatch.work_dtype(q.dtype))
-    return dispatch.l2norm_fused(states, chunk_o_forward)
+    value_width = tile_width(value_dim)
+    walk_programs = batch * heads * (value_width // min(value_width, 64))
+    return dispatch.l2norm_fused(states, chunk_o_forward, walk_programs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _l2norm_op(q, k, v, g, beta, runs, initial_state, config: _OpConfig):
-    """The op with use_qk_l2norm. Undifferentiated, no normalised copy of q is written: q's
-    factors take one XLA reduction and reach chunk_o's outputs. The WY kernel takes the keys'
-    factors from its gram's diagonal and applies them; the walk and chunk_o apply them as row
-    and column factors, or, with few walk programs (``dispatch.l2norm_keys_written``), read the
-    normalised keys the WY kernel writes. Differentiated, ``_composed`` (the normalisation as a
-    step of the stages, with its VJP), forward and backward."""
+    """The op with use_qk_l2norm. Undifferentiated, no normalised copy of q or k is written: the
+    WY kernel takes the keys' factors from its gram's diagonal, applies them and returns them,
+    and the walk and chunk_o apply them as row and column factors; q's factors take one XLA
+    reduction and reach chunk_o's outputs. Differentiated, ``_composed`` (the normalisation as
+    its own step, with its VJP kernel), forward and backward."""
     interpret = config.implementation == "interpret"
     chunk_size, m = config.chunk_size, config.num_householder
     g32 = None if g is None else g.astype(jnp.float32)
-    written = dispatch.l2norm_keys_written(_walk_programs(q, v.shape[-1]))
-    h, v_new, final_state, *keys = states_pallas(
+    h, v_new, final_state, key_scale = states_pallas(
         k, v, beta, g32, runs, initial_state, chunk_size=chunk_size, num_householder=m,
-        interpret=interpret, normalize_keys=True, return_normalized_keys=written)
-    k, key_scale = keys if written else (k, keys[0])
+        interpret=interpret, normalize_keys=True)
     g_log2 = None if g is None else chunk_local_log2_cumsum(g32, chunk_size)
     o = chunk_o_scaled_forward(q, k, v_new.astype(v.dtype), h, g_log2, runs, l2norm_factor(q),
-                               None if written else key_scale, scale=config.scale,
-                               chunk_size=chunk_size, num_householder=m, interpret=interpret)
+                               key_scale, scale=config.scale, chunk_size=chunk_size,
+                               num_householder=m, interpret=interpret)
     return o, final_state
 
 

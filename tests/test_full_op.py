@@ -203,11 +203,9 @@ def test_l2norm_forward_inside_the_kernels(case, monkeypatch):
     """Raw q, k of varied norms: o and the final state against the recurrence on their
     normalised values, and against the differentiated path's o (the normalisation a separate
     step), within one rounding of the inputs' dtype. Outside the kernels the undifferentiated
-    jaxpr normalises once (q's factors; k's are the WY kernel's), and so does the differentiated
-    one where the keys' VJP runs in the WY VJP kernel (q by XLA or the normalisation's forward
-    kernel: ``_normalisations``; k's rows written by the WY kernel), twice elsewhere (K = 256).
-    The rule's program-count row is a speed threshold, lowered here so that these small problems
-    take the fused path."""
+    jaxpr normalises once (q's factors; k's are the WY kernel's), the differentiated one twice
+    (q and k, by XLA or the normalisation's forward kernel: ``_normalisations``). The rule's program-count row is a speed threshold, lowered here so
+    that these small problems take the fused path."""
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 1)
     p = build(case, qk_l2norm=True)
     op = l2norm_op_of_qk(p, "interpret")
@@ -220,10 +218,7 @@ def test_l2norm_forward_inside_the_kernels(case, monkeypatch):
     assert_all_close(dict(o=o, final_state=final_state),
                      dict(o=o_composed[0], final_state=o_composed[1]), tolerance(case.dtype))
     assert _normalisations(jax.make_jaxpr(op)(p.q, p.k).jaxpr) == 1
-    keys_in_wy = dispatch.keys_l2norm_vjp_in_wy_kernel("interpret", p.k.dtype, True, case.key_dim)
-    assert keys_in_wy == (case.key_dim <= 128)
-    differentiated = jax.make_jaxpr(lambda q, k: jax.vjp(op, q, k)[0])(p.q, p.k).jaxpr
-    assert _normalisations(differentiated) == (1 if keys_in_wy else 2)
+    assert _normalisations(jax.make_jaxpr(lambda q, k: jax.vjp(op, q, k)[0])(p.q, p.k).jaxpr) == 2
 
 
 @pytest.mark.parametrize("case", [Case(77, 32, 16, 2, 16), Case(130, 16, 32, 3, 32, initial_state=False),
@@ -271,29 +266,23 @@ def test_l2norm_gradients_where_the_forward_is_fused(monkeypatch):
 
 def test_l2norm_fused_rule(monkeypatch):
     """dispatch.l2norm_fused's table: Triton kernels throughout, at least 128 walk programs; and
-    the op follows it. With too few walk programs (B * H * value blocks of 64: here 2 * 2 * 1) the
-    WY kernel writes the normalised keys for the walk and chunk_o, one output more than where the
-    kernels apply the factors (the threshold lowered to the problem's programs), with or without
-    segment ids; q is normalised outside the kernels once either way (its rows, or its factors)."""
+    the op follows it: q and k are normalised outside the fused kernels (two passes) with too few
+    walk programs (B * H * value blocks of 64: here 2 * 2 * 1), and inside them (one, q's factors)
+    once the threshold is lowered to the problem's programs, with or without segment ids."""
     fused = dispatch.l2norm_fused
     assert fused("pallas", "pallas", 256) and fused("interpret", "interpret", 128)
     assert not fused("pallas", "pallas", 127)                   # B1 H16 V128 has 32
     assert not fused("xla", "xla", 256) and not fused("pallas", "xla", 256)
     assert not fused("pallas", "mosaic", 256)
     p = build(Case(40, 32, 16, 2, 16), qk_l2norm=True)
-    def passes(**kw):   # (normalisations outside the kernels, the WY kernel's outputs)
-        jaxpr = jax.make_jaxpr(functools.partial(
-            gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True, chunk_size=16,
-            implementation="interpret", **kw))(*p.full_args()).jaxpr
-        (wy_outputs,) = kernel_outputs(jaxpr, "gdp_wy_fwd")
-        return _normalisations(jaxpr), wy_outputs
-
-    unfused = passes(segment_ids=p.segment_ids)
-    assert unfused[0] == 1 and passes() == unfused
+    rsqrts = lambda **kw: _normalisations(jax.make_jaxpr(functools.partial(
+        gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True, chunk_size=16,
+        implementation="interpret", **kw))(*p.full_args()).jaxpr)
+    assert rsqrts(segment_ids=p.segment_ids) == 2 and rsqrts() == 2
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 4)
-    assert passes(segment_ids=p.segment_ids) == passes() == (1, unfused[1] - 1)
+    assert rsqrts(segment_ids=p.segment_ids) == 1 and rsqrts() == 1
     monkeypatch.setattr(dispatch, "L2NORM_FUSED_MIN_WALK_PROGRAMS", 5)
-    assert passes() == unfused
+    assert rsqrts() == 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,24 +336,6 @@ def check_gradients(p, op, qk_l2norm: bool):
     assert_all_close(grads, {n: expected[n] for n in names}, tolerance(dtype))
 
 
-def kernel_outputs(jaxpr, name: str) -> list:
-    """How many outputs each pallas_call kernel called ``name`` in a jaxpr has, sub-jaxprs
-    included."""
-    counts = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found = eqn.params.get("name_and_src_info", eqn.params.get("name"))
-            if getattr(found, "name", found) == name:
-                counts.append(len(eqn.outvars))
-            continue
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    counts += kernel_outputs(sub, name)
-    return counts
-
-
 def kernel_names(jaxpr) -> list:
     """The names of the pallas_call kernels in a jaxpr, sub-jaxprs included."""
     names = []
@@ -385,9 +356,8 @@ def kernel_names(jaxpr) -> list:
 def test_keys_l2norm_vjp_in_the_wy_kernel(dtype):
     """Where the WY VJP kernel runs (the interpreter: every dtype) and K is at most 128,
     use_qk_l2norm's gradient takes the normalisation's own VJP kernel for q alone: k's runs
-    inside the WY VJP, and k's rows come from the WY forward kernel, with no pass of their own.
-    Past 128 keys, or where that kernel does not run (compiled float32, the jnp path), the
-    normalisation is its own step for both."""
+    inside the WY VJP. Past 128 keys, or where that kernel does not run (compiled float32, the
+    jnp path), the normalisation is its own step for both."""
     def kernels(case):
         p = build(case, qk_l2norm=True)
         op = functools.partial(gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True,
@@ -397,7 +367,7 @@ def test_keys_l2norm_vjp_in_the_wy_kernel(dtype):
 
     names = kernels(Case(40, 32, 16, 2, 16, dtype=dtype))
     assert names.count("gdp_l2norm_bwd") == 1 and names.count("gdp_wy_bwd") == 1, names
-    assert "gdp_l2norm_fwd" not in names, names          # k's rows written by the WY kernel
+    assert names.count("gdp_l2norm_fwd") == 1, names          # k's rows and factors in one pass
     names = kernels(Case(40, 256, 16, 1, 16, dtype=dtype))
     assert names.count("gdp_l2norm_bwd") == 2 and "gdp_l2norm_fwd" not in names, names
     rule = dispatch.keys_l2norm_vjp_in_wy_kernel

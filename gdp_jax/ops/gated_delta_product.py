@@ -36,7 +36,7 @@ from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
 from gdp_jax.ops.chunk_h.xla import chunk_h_xla
 from gdp_jax.ops.chunk_o import chunk_o, chunk_o_scaled_forward
 from gdp_jax.ops.cumsum import chunk_local_log2_cumsum, expanded_log2_decays, sub_chunk_size
-from gdp_jax.ops.l2norm import l2norm
+from gdp_jax.ops.l2norm import l2norm, l2norm_and_factor
 from gdp_jax.ops.wy.pallas_bwd import wy_bwd_pallas
 from gdp_jax.ops.wy.pallas_fwd import wy_pallas
 from gdp_jax.ops.wy.xla import wy_bwd_xla, wy_xla
@@ -282,8 +282,7 @@ def stage_dtypes(dtype) -> StageDtypes:
 
 
 def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
-                  interpret: bool, every_sub_chunk: bool = False, normalize_keys: bool = False,
-                  return_normalized_keys: bool = False):
+                  interpret: bool, every_sub_chunk: bool = False, normalize_keys: bool = False):
     """Stages 1-3 on the sub-chunk grid with the Pallas kernels (forward only; the op wraps it in
     a custom_vjp): (h, v_new, final_state).
 
@@ -305,12 +304,9 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     where the backward does not use them) and, on the padded sub-chunk grid, the state before
     every sub-chunk h_sub [B, NS, H, Kp, Vp] and v_new_p [B, P_pad, H, Vp].
 
-    ``normalize_keys`` (use_qk_l2norm): the WY kernel solves for k L2-normalised per position
-    and returns the factors key_scale [B, T*M, H] float32, which come last; the walk applies them
-    to the raw keys, and no normalised copy is written. With ``return_normalized_keys`` the WY
-    kernel writes the normalised keys too (for stages that read them after the walk, and the
-    backward), the walk reads them, and they come before the factors: (..., k_normalised
-    [B, T*M, H, K], key_scale).
+    ``normalize_keys`` (use_qk_l2norm, the undifferentiated forward only): the WY kernel
+    solves for k L2-normalised per position and returns the factors, which the walk applies;
+    the results are then (h, v_new, final_state, key_scale [B, T*M, H] float32).
     """
     positions, key_dim = k.shape[1], k.shape[3]
     value_dim = v.shape[-1]
@@ -328,71 +324,68 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     applies = (dispatch.backward_walks_from_inverse(k.dtype) and keep_inverse
                if every_sub_chunk else dispatch.walk_applies_inverse(k.dtype, key_dim))
     walk_inverse, inverse = {}, []
-    if return_normalized_keys and not normalize_keys:
-        raise ValueError("states_pallas: return_normalized_keys=True needs normalize_keys=True")
-    # The normalised keys written once, by the WY kernel, which reads k anyway.
-    write_keys = return_normalized_keys
-    normalized = dict(normalize_keys=normalize_keys, write_normalized_keys=write_keys)
     if applies:
         t, *extra = wy_pallas(k_p, None, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=work_dtype,
                               interpret=interpret, return_inverse=True, inverse_dtype=work_dtype,
-                              w_and_u=False, **normalized)
+                              normalize_keys=normalize_keys, w_and_u=False)
         w, u, walk_inverse = None, v_p, dict(inverse=t, beta=beta_p)
         inverse = [t] if every_sub_chunk else []
+        key_scale = extra[-1] if normalize_keys else None
     elif dispatch.wy_fwd_runs_kernel(k.dtype, interpret):
         w, u, *extra = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub,
                                  out_dtype=work_dtype, interpret=interpret,
                                  return_inverse=keep_inverse, inverse_dtype=inverse_dtype,
-                                 **normalized)
+                                 normalize_keys=normalize_keys)
         inverse = extra[:1] if keep_inverse else []
+        key_scale = extra[-1] if normalize_keys else None
     else:   # jnp on the same sub-chunk grid; the keys' factors as the kernel forms them
-        extra, k_wy = [], k_p
+        key_scale, k_wy = None, k_p
         if normalize_keys:
             key_scale = l2norm_scale(jnp.sum(jnp.square(k_p.astype(jnp.float32)), axis=-1))
             k_wy = k_p.astype(jnp.float32) * key_scale[..., None]
-            extra = [key_scale, k_wy.astype(k.dtype)] if write_keys else [key_scale]
         w, u = wy_xla(k_wy, v_p, beta_p, gamma, runs_p, chunk_size=sub, num_householder=1)
         w, u = w.astype(work_dtype), u.astype(work_dtype)
-    key_scale = k_normalized = None
-    if write_keys:   # the walk reads the written keys; the factors go to the backward
-        key_scale, k_normalized = extra[-2:]
-        k_p = k_normalized
-    elif normalize_keys:   # the walk applies the factors to the raw keys
-        key_scale = extra[-1]
     # The walk stores h at token-chunk boundaries and, for the backward, at every sub-chunk too
     # (written by the kernel rather than sliced out after).
     h, v_new, final_state, *h_sub = chunk_h_pallas(
         k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
         subchunks=chunk_size * m // sub, h_dtype=work_dtype, v_new_dtype=v.dtype,
         dot_dtype=work_dtype, interpret=interpret, every_chunk_too=every_sub_chunk,
-        key_scale=None if write_keys else key_scale, **walk_inverse)
+        key_scale=key_scale, **walk_inverse)
     outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
                final_state[..., :key_dim, :value_dim])
     if every_sub_chunk:
-        outputs += ((w, inverse[0] if inverse else None, h_sub[0], v_new),)
-    if write_keys:
-        outputs += (k_normalized[:, :positions, :, :key_dim],)
+        return outputs + ((w, inverse[0] if inverse else None, h_sub[0], v_new),)
     if normalize_keys:
-        outputs += (key_scale[:, :positions],)
+        return outputs + (key_scale[:, :positions],)
     return outputs
+
+
+def _normalized_keys(k, normalize: bool, interpret: bool):
+    """(k or its l2norm rows, their factors [B, P, H] float32 or None): ``ops.l2norm``'s formula,
+    the factors kept for the VJP."""
+    if not normalize:
+        return k, None
+    return l2norm_and_factor(k, "interpret" if interpret else "pallas")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _states(k, v, beta, g, runs, initial_state, config):
     """(h, v_new, final_state, k): states_pallas's results, and the k they used (with config's
-    normalize flag, k's l2norm rows, which the WY kernel writes), so that the cotangent of k's
-    other use (the output stage) enters _states_bwd."""
-    return _states_fwd(k, v, beta, g, runs, initial_state, config, every_sub_chunk=False)[0]
-
-
-def _states_fwd(k, v, beta, g, runs, initial_state, config, every_sub_chunk: bool = True):
+    normalize flag, k's l2norm rows), so that the cotangent of k's other use (the output stage)
+    enters _states_bwd."""
     chunk_size, m, interpret, normalize = config
-    h, v_new, final_state, *rest = states_pallas(
+    k, _ = _normalized_keys(k, normalize, interpret)
+    return states_pallas(k, v, beta, g, runs, initial_state, chunk_size=chunk_size,
+                         num_householder=m, interpret=interpret) + (k,)
+
+
+def _states_fwd(k, v, beta, g, runs, initial_state, config):
+    chunk_size, m, interpret, normalize = config
+    k, factor = _normalized_keys(k, normalize, interpret)
+    h, v_new, final_state, saved = states_pallas(
         k, v, beta, g, runs, initial_state, chunk_size=chunk_size, num_householder=m,
-        interpret=interpret, every_sub_chunk=every_sub_chunk, normalize_keys=normalize,
-        return_normalized_keys=normalize)
-    saved = rest.pop(0) if every_sub_chunk else None
-    k, factor = rest if normalize else (k, None)
+        interpret=interpret, every_sub_chunk=True)
     return (h, v_new, final_state, k), (k, v, beta, g, runs, initial_state, saved, factor)
 
 

@@ -136,8 +136,7 @@ def _wy_kernel(*refs, sub_chunk: int, substituted_rows: int, sub_chunks_per_prog
 
 
 def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inverse_ref,
-                  key_scale_ref, normalized_ref, base, *, sub_chunk: int, substituted_rows: int,
-                  unroll: bool):
+                  key_scale_ref, base, *, sub_chunk: int, substituted_rows: int, unroll: bool):
     """One sub-chunk: the rows base .. base + sub_chunk of the refs. ``unroll``: the substitution
     steps as straight code (inside the sub-chunk loop, so that the loop has no inner loop)."""
     f32 = jnp.float32
@@ -168,9 +167,6 @@ def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inv
             scale_rows.append(l2norm_scale(jnp.sum(diagonal, axis=1)))
             scale_cols.append(l2norm_scale(jnp.sum(diagonal, axis=0)))
             key_scale_ref[rows_of(i)] = scale_rows[i]
-            if normalized_ref is not None:    # stored at once, so that no scaled copy stays live
-                normalized_ref[rows_of(i), :] = (keys[i].astype(f32) * scale_rows[i][:, None]
-                                                 ).astype(normalized_ref.dtype)
 
     def a_block(i, l):                        # A[rows of block i, columns of block l], l <= i
         gram = grams[i, l] if (i, l) in grams else gram_of(i, l)
@@ -270,8 +266,7 @@ def _wy_sub_chunk(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, w_ref, u_ref, inv
 
 def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: bool = False,
               return_inverse: bool = False, inverse_dtype=jnp.float32, normalize_keys: bool = False,
-              w_and_u: bool = True, write_normalized_keys: bool = False,
-              block_sizes: Optional[BlockSizes] = None):
+              w_and_u: bool = True, block_sizes: Optional[BlockSizes] = None):
     """(w [B, P, H, K], u [B, P, H, V]) in ``out_dtype``, per sub-chunk of ``sub_chunk`` positions;
     with ``return_inverse`` also T = (I + A)^{-1} [B, P, H, S] in ``inverse_dtype`` (row j:
     T[j, :] of its sub-chunk, zero above the diagonal), which the backward (``wy.pallas_bwd``)
@@ -284,10 +279,7 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     betas; padding positions change nothing). ``normalize_keys``: w and u are those of k
     L2-normalised per position (``layout.l2norm``'s formula, the squares summed by the gram's
     diagonal), as if the caller had normalised it, and the factors (sum_d k_d^2 + eps)^(-1/2)
-    come back last, [B, P, H] float32. ``write_normalized_keys`` (with ``normalize_keys``): the
-    normalised rows k_j s_j themselves come back after the factors, [B, P, H, K] in k's dtype, for
-    the stages that read k after this one (the differentiable forward, whose VJP needs them), at
-    the cost of one write and no extra read.
+    come back last, [B, P, H] float32.
 
     ``w_and_u=False`` (with ``return_inverse``): T alone, for a walk that applies it itself
     (``chunk_h.pallas_fwd.chunk_h_pallas``'s ``inverse``); v is not read (None allowed) and the
@@ -296,8 +288,6 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
     batch, positions, heads, key_dim = k.shape
     if not w_and_u and not return_inverse:
         raise ValueError("wy_pallas: w_and_u=False needs return_inverse=True (T is its only result)")
-    if write_normalized_keys and not normalize_keys:
-        raise ValueError("wy_pallas: write_normalized_keys=True needs normalize_keys=True")
     if not w_and_u:
         v = None
     value_dim = key_dim if v is None else v.shape[-1]
@@ -328,19 +318,16 @@ def wy_pallas(k, v, beta, gamma, runs, *, sub_chunk: int, out_dtype, interpret: 
                  jax.ShapeDtypeStruct((batch, positions, heads, sub_chunk), inverse_dtype)
                  if return_inverse else None,
                  jax.ShapeDtypeStruct((batch, positions, heads), jnp.float32)
-                 if normalize_keys else None,
-                 jax.ShapeDtypeStruct(k.shape, k.dtype) if write_normalized_keys else None)
+                 if normalize_keys else None)
     out_specs = (rows(key_dim) if w_and_u else None, rows(value_dim) if w_and_u else None,
                  rows(sub_chunk) if return_inverse else None,
-                 per_position if normalize_keys else None,
-                 rows(key_dim) if write_normalized_keys else None)
+                 per_position if normalize_keys else None)
     kernel = functools.partial(_wy_kernel, sub_chunk=sub_chunk, substituted_rows=substituted_rows,
                                sub_chunks_per_program=n)
-    w, u, inverse, key_scale, normalized = triton_call(
+    w, u, inverse, key_scale = triton_call(
         kernel, *operands, name="gdp_wy_fwd",
         grid=(heads, positions // block, batch), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret)
     return (((w, u) if w_and_u else ()) + ((inverse,) if return_inverse else ())
-            + ((key_scale,) if normalize_keys else ())
-            + ((normalized,) if write_normalized_keys else ()))
+            + ((key_scale,) if normalize_keys else ()))

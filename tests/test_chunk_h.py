@@ -221,6 +221,42 @@ def test_walk_applies_inverse(case, monkeypatch):
                      dict(h=h_wu, v_new=v_new_wu, final_state=final_wu), tol)
 
 
+@pytest.mark.parametrize("inverse", [False, True], ids=["w_u", "T"])
+def test_walk_transposed_state(inverse):
+    """BlockSizes(transposed=True), the state carried as h^T: h at every sub-chunk, v_new and the
+    final state as the default walk gives them (float32 dots: to float32 rounding), from w and u
+    and from T, with gates, segments, an initial state and key factors, on the sub-chunk grid."""
+    import dataclasses
+    from gdp_jax.ops.chunk_h import pallas_fwd
+    from gdp_jax.ops.gated_delta_product import sub_grid_operands
+    from gdp_jax.ops.wy.pallas_fwd import wy_pallas
+    case = Case(150, 32, 48, 2, 32)
+    p = build(case)
+    k_p, v_p, beta_p, gamma, runs_p, h0, sub = sub_grid_operands(
+        p.k, p.v, p.beta, p.g_raw, p.runs, p.initial_state, case.chunk_size, case.m)
+    key_scale = jnp.asarray(np.random.default_rng(3).uniform(0.5, 1.5, k_p.shape[:3]), jnp.float32)
+    if inverse:
+        (t,) = wy_pallas(k_p, None, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=jnp.float32,
+                         interpret=True, return_inverse=True, w_and_u=False)
+        operands = dict(w=None, u=v_p, inverse=t, beta=beta_p)
+    else:
+        w, u = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=jnp.float32,
+                         interpret=True)
+        operands = dict(w=w, u=u)
+    subchunks = case.chunk_size * case.m // sub
+    default = pallas_fwd.default_block_sizes(case.key_dim, case.value_dim, sub, subchunks, 1,
+                                             jnp.float32, True)
+    walk = lambda sizes: chunk_h_pallas(
+        k_p, operands["w"], operands["u"], gamma, runs_p, h0, chunk_size=sub, num_householder=1,
+        subchunks=subchunks, every_chunk_too=True, key_scale=key_scale,
+        inverse=operands.get("inverse"), beta=operands.get("beta"), interpret=True,
+        block_sizes=sizes)
+    want = walk(dataclasses.replace(default, block_v=16))
+    got = walk(dataclasses.replace(default, block_v=16, transposed=True))
+    assert_all_close(dict(zip(("h", "v_new", "final_state", "h_every"), got)),
+                     dict(zip(("h", "v_new", "final_state", "h_every"), want)), 1e-6)
+
+
 def test_differentiable_forward_walk_applying_inverse_one_sub_chunk_a_step(monkeypatch):
     """bfloat16's differentiable forward (the walk applies T and stores h at every sub-chunk) at
     one sub-chunk a loop step, the launch table's choice from K = 128 (forced here at K = 32):
@@ -480,6 +516,25 @@ def test_walks_narrow_their_value_blocks_where_few():
     assert default_block_sizes(128, 128, 64, 128, jnp.bfloat16, walks=16, steps=long).block_v == 16
     assert default_block_sizes(128, 128, 64, 128, jnp.bfloat16, walks=128, steps=long).block_v == 64
     assert default_block_sizes(128, 128, 64, 128, jnp.float32, walks=16, steps=long).block_v == 32
+
+
+def test_walk_transposed_where_narrowed():
+    """The walk's launch table carries the state transposed where few programs narrow its value
+    blocks and it applies T at padded K <= 128, with or without h at every sub-chunk; not at 64
+    columns, not from w and u, not at K = 256, not for float32 dots."""
+    from gdp_jax.ops.chunk_h import pallas_fwd
+    long = pallas_fwd.LONG_WALK_STEPS
+    transposed = lambda *a, **kw: pallas_fwd.default_block_sizes(*a, steps=long, **kw).transposed
+    bf16 = jnp.bfloat16
+    assert transposed(128, 128, 64, 2, 1, bf16, walks=16, applies_inverse=True)        # B1 H16 M2
+    assert transposed(128, 128, 64, 2, 1, bf16, True, walks=16, applies_inverse=True)  # h every sub-chunk
+    assert transposed(128, 128, 64, 3, 1, bf16, walks=16, applies_inverse=True)        # M = 3
+    assert transposed(128, 128, 64, 2, 1, bf16, walks=32, applies_inverse=True)        # 32 columns
+    assert transposed(100, 96, 64, 2, 1, bf16, walks=16, applies_inverse=True)         # padded to 128
+    assert not transposed(128, 128, 64, 2, 1, bf16, walks=128, applies_inverse=True)   # 64 columns
+    assert not transposed(128, 128, 64, 2, 1, bf16, walks=16)                          # from w, u
+    assert not transposed(256, 256, 64, 2, 1, bf16, walks=16, applies_inverse=True)    # K = 256
+    assert not transposed(128, 128, 64, 2, 1, jnp.float32, walks=16, applies_inverse=True)
 
 
 def test_walk_default_block_sizes_table():

@@ -2,7 +2,7 @@
 the transposed state (h^T carried, every dot's left operand the previous result): registers, shared memory and
 the main loop's tensor-core, barrier and shared-memory instructions.
 
-    git apply benchmarks/results/2026-12-06_s23_transposed_walk_pending.patch   # BlockSizes.transposed
+    # BlockSizes.transposed: in the library since the twenty-fourth session (a patch before)
     pip download --no-deps triton==3.6.0 -d /tmp/tw && (mkdir -p /tmp/triton_site && cd /tmp/triton_site && unzip -q /tmp/tw/triton-*.whl)
     PYTHONPATH=. python benchmarks/results/2026-12-06_s23_codegen_long_row_walk.py /tmp/cg_walk
 """

@@ -31,11 +31,15 @@ class BlockSizes:
     ``block_v`` None means min(V, 64). ``chunks_per_step``: on the sub-chunk grid
     (``subchunks`` > 1), the sub-chunks one loop step takes, a divisor of ``subchunks`` (None:
     all of a token chunk's); fewer rows a step let two stages fit in shared memory where a whole
-    token chunk's do not. ``default_block_sizes`` picks them per problem."""
+    token chunk's do not. ``transposed``: the state carried as h^T [BV, K], so that each dot of a
+    step's chain takes the previous result as its left operand, kept in registers, where the
+    default form stores it to shared memory and waits on a barrier before the next dot reads it
+    (same products, same results). ``default_block_sizes`` picks them per problem."""
     block_v: Optional[int] = None
     num_warps: int = 4
     num_stages: int = 1
     chunks_per_step: Optional[int] = None
+    transposed: bool = False
 
 
 # Bytes of k, w and u one loop step loads (the M sub-chunks of one token chunk at K = V = 128,
@@ -78,6 +82,7 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks
     | the same (narrowed), a whole token chunk's step <= TWO_STAGE_STEP_BYTES | whole token chunks a step, 2 stages | one program an SM either way, so fewer, longer steps win: the walk applying T 0.88x (h at every sub-chunk too: 0.79x) on B1 T65536 H16, 0.72x at M = 3, 0.93x on B2 T32768 H16; the op's forward / forward + backward 0.91x / 0.95x and 0.95x / 0.99x |
     | 16-bit dots, sub-chunk grid, h at token chunks only, padded K >= 128, a sub-chunk <= TWO_STAGE_STEP_BYTES | one sub-chunk a step, 2 stages | 0.79x at M = 3 (whole chunks: 1 stage), 0.76x at K = 256, 0.89x at M = 2 (whole chunks at 2 stages) |
     | the same with h at every sub-chunk where the walk applies T | one sub-chunk a step, 2 stages | offline sm_90a at the headline: 74 KiB of shared memory against 131.6 for whole token chunks, two programs per SM; the op's forward + backward 0.96x at the headline, 0.97x at M = 3 and at K = 256 |
+    | the same (narrowed, 16-bit), applying T, padded K <= 128 | the state carried transposed (``transposed``) | the walk applying T 0.83x on B1 T65536 H16 (16 columns), 0.92x on B2 T32768 H16 (32), 0.96x at M = 3; at 64 columns 1.03x (B4 T16384 H16 and the headline) and at K = 256 1.64x (B1 T32768 H16, 32 columns), so neither takes it |
     | ... applying T at padded K = 256, chunk 64 | 32 value columns, 4 warps | the walk applying T 0.77x of 64 columns at M = 2, 0.86x at M = 1; with h at every sub-chunk too 0.80x / 0.81x of 64 columns at 8 warps (at 4 warps 64 columns spill) |
     | ... at padded K = 256 otherwise, 64 value columns, h at every sub-chunk | 8 warps | offline 4 warps spill about 1 KB; that walk 0.91x on B2 T16384 H16 (chunk 64, before the 32-column row) |
     | other 16-bit dots, a step <= TWO_STAGE_STEP_BYTES | 2 stages | the next step's loads overlap this one's dots: 0.50-0.86x the time (0.56-0.86x also storing h at every sub-chunk); one sub-chunk a step took the op's forward to 1.06x at K = 64, and the walk to 1.18x at M = 2 and 1.02x at M = 3 with h at every sub-chunk |
@@ -88,13 +93,14 @@ def default_block_sizes(key_dim: int, value_dim: int, chunk_size: int, subchunks
         return BlockSizes(num_stages=1)
     block_v = value_block(value_dim, walks, steps)
     narrow = None if block_v == min(tile_width(value_dim), 64) else block_v
+    transposed = narrow is not None and applies_inverse and tile_width(key_dim) <= 128
     second = chunk_size if applies_inverse else tile_width(key_dim)     # T's row or w's
     row_bytes = (tile_width(key_dim) + second + block_v) * itemsize
     # whether a step of that many chunks (each num_householder rows a position) fits two stages
     two_stages = lambda chunks: chunk_size * chunks * num_householder * row_bytes <= TWO_STAGE_STEP_BYTES
     two = two_stages(subchunks)
     if narrow is not None and two:
-        return BlockSizes(block_v=narrow, num_stages=2)
+        return BlockSizes(block_v=narrow, num_stages=2, transposed=transposed)
     if (subchunks > 1 and (applies_inverse or not every_chunk_too) and tile_width(key_dim) >= 128
             and two_stages(1)):
         if (narrow is None and applies_inverse and chunk_size == 64 and tile_width(key_dim) >= 256
@@ -120,7 +126,8 @@ def decay_and_run_operands(g, runs, pad_tokens: int):
 
 def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref, beta_ref, h_ref,
                     v_new_ref, final_ref, h_every_ref, *, num_householder: int, chunk_size: int,
-                    num_chunks: int, subchunks: int, chunks_per_step: int, dot_dtype):
+                    num_chunks: int, subchunks: int, chunks_per_step: int, dot_dtype,
+                    transposed: bool = False):
     """With ``beta_ref`` (``chunk_h_pallas``'s ``inverse``) w_ref holds T and u_ref v: v_new is
     T (beta (v - live 2^gamma s (k h))), live, gamma and the key factors s per row as the WY
     kernel's w."""
@@ -130,6 +137,11 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
         state = h0_ref[...].astype(jnp.float32)
     else:
         state = jnp.zeros((key_dim, block_v), jnp.float32)
+    # transposed: the state is carried as h^T [BV, K], so that every dot of the chain takes the
+    # previous one's result as its left operand (registers) and only loaded tiles on the right.
+    if transposed:
+        state = state.T
+    as_h = (lambda x: x.T) if transposed else (lambda x: x)
 
     def one_chunk(c, state, h_index, store_h=None):
         first = c * chunk_size
@@ -145,13 +157,13 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
             reset = (c > 0) & (run_first != run_before)
             state = jnp.where(reset, 0.0, state)
         if h_index is not None and store_h is None:
-            h_ref[h_index] = state.astype(h_ref.dtype)
+            h_ref[h_index] = as_h(state).astype(h_ref.dtype)
         elif h_index is not None:
             @pl.when(store_h)
             def _():
-                h_ref[h_index] = state.astype(h_ref.dtype)
+                h_ref[h_index] = as_h(state).astype(h_ref.dtype)
         if h_every_ref is not None:
-            h_every_ref[c] = state.astype(h_every_ref.dtype)
+            h_every_ref[c] = as_h(state).astype(h_every_ref.dtype)
         if has_g:
             g = g_ref[rows]                             # [BT] chunk-local log2 decays
             g_last = g_ref[last]
@@ -166,8 +178,30 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
         # The keys' normalisation factors (use_qk_l2norm) join the decay weights.
         row_coeffs = ([coeff] * num_householder if key_scales is None
                       else [coeff * key_scale for key_scale in key_scales])
-        update = jnp.zeros((key_dim, block_v), jnp.float32)
+        update = jnp.zeros(state.shape, jnp.float32)
         state_operand = state.astype(dot_dtype)
+        if transposed:
+            for m in range(num_householder):
+                k = k_ref[rows, m, :].astype(dot_dtype)                  # [BT, K]
+                u_t = u_ref[rows, m, :].astype(jnp.float32).T            # [BV, BT]
+                if beta_ref is None:
+                    w = w_ref[rows, m, :].astype(dot_dtype)
+                    v_new_t = u_t - plgpu.dot(state_operand, w, trans_b=True)
+                else:
+                    beta = beta_ref[rows].astype(jnp.float32)
+                    row_w = beta * (jnp.exp2(g) if has_g else 1.0)
+                    if key_scales is not None:
+                        row_w = row_w * key_scales[m]
+                    if has_segments:
+                        row_w = jnp.where(run == run_first, row_w, 0.0)
+                    kh_t = plgpu.dot(state_operand, k, trans_b=True)     # [BV, BT]
+                    x_t = beta[None, :] * u_t - row_w[None, :] * kh_t
+                    v_new_t = plgpu.dot(x_t.astype(dot_dtype),
+                                        w_ref[rows, m, :].astype(dot_dtype), trans_b=True)
+                v_new_ref[rows, m, :] = v_new_t.T.astype(v_new_ref.dtype)
+                v_decayed_t = (v_new_t * row_coeffs[m][None, :]).astype(dot_dtype)
+                update += plgpu.dot(v_decayed_t, k)                      # [BV, K] f32
+            return carry_in * state + update
         for m in range(num_householder):
             if beta_ref is None:
                 w = w_ref[rows, m, :].astype(dot_dtype)             # [BT, K]
@@ -210,7 +244,7 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
         final = jax.lax.fori_loop(0, num_chunks // subchunks, one_stored_chunk, state)
     else:
         final = jax.lax.fori_loop(0, num_chunks // chunks_per_step, one_step, state)
-    final_ref[...] = final.astype(final_ref.dtype)
+    final_ref[...] = as_h(final).astype(final_ref.dtype)
 
 
 def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_householder: int,
@@ -302,7 +336,8 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
                  states_spec(num_chunks) if every_chunk_too else None)
     kernel = functools.partial(
         _chunk_h_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
-        subchunks=subchunks, chunks_per_step=chunks_per_step, dot_dtype=jnp.dtype(dot_dtype))
+        subchunks=subchunks, chunks_per_step=chunks_per_step, dot_dtype=jnp.dtype(dot_dtype),
+        transposed=sizes.transposed)
     h, v_new, final_state, h_every = triton_call(
         kernel, *operands, name="gdp_chunk_h_fwd", grid=(vp // block_v, heads, batch),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

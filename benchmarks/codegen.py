@@ -318,6 +318,53 @@ def compile_and_count(name, info, out_dir, triton_dir, ir_name=None):
     return info
 
 
+MAIN_LOOP_OPS = ("HGMMA", "HMMA", "WARPGROUP.ARRIVE", "BAR.SYNC", "MEMBAR", "STSM", "STS", "LDS",
+                 "LDSM", "SHFL")
+
+
+def main_loop_counts(cubin: str, triton_dir: str) -> dict:
+    """Instruction counts (MAIN_LOOP_OPS, and all instructions) in the longest backward branch's
+    body of a cubin's SASS: a walk kernel's chunk loop."""
+    cuobjdump = os.path.join(triton_dir, "triton", "backends", "nvidia", "bin", "cuobjdump")
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loops = []
+    for addr, op in ins:
+        target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", op)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    if not loops:
+        return {}
+    start, end = max(loops, key=lambda x: x[1] - x[0])
+    body = [re.sub(r"^@!?U?P\w+\s+", "", op).split()[0] for addr, op in ins if start <= addr <= end]
+    counts = {key: sum(1 for op in body if op.startswith(key)) for key in MAIN_LOOP_OPS}
+    counts["instructions"] = len(body)
+    return counts
+
+
+def build_and_count(name: str, fn, args, sizes, out_dir: str, triton_dir: str) -> dict:
+    """Lowers fn(*args) (one pallas_call, launched with ``sizes``' num_warps and num_stages),
+    writes its Triton IR to out_dir/name.ttir, compiles it for sm_90a and returns
+    compile_and_count's info with the main loop's counts under "loop" (an "error" instead where
+    the compile fails)."""
+    with _Capture() as cap:
+        _lower(fn, args)
+    (kernel,) = cap.kernels
+    with open(os.path.join(out_dir, f"{name}.ttir"), "w") as fh:
+        fh.write(kernel["ir"])
+    info = dict(num_warps=sizes.num_warps, num_stages=sizes.num_stages)
+    if triton_dir not in sys.path:
+        sys.path.insert(0, triton_dir)
+    try:
+        compile_and_count(name, info, out_dir, triton_dir)
+    except Exception as e:   # a failed build is a row of its own
+        info["error"] = str(e)[:300]
+        return info
+    info["loop"] = main_loop_counts(os.path.join(out_dir, f"{name}.cubin"), triton_dir)
+    return info
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--triton", default=None,

@@ -180,6 +180,16 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
                       else [coeff * key_scale for key_scale in key_scales])
         update = jnp.zeros(state.shape, jnp.float32)
         state_operand = state.astype(dot_dtype)
+
+        def w_row_weights(m):   # from T: beta, w's row weights (beta live 2^gamma s), as the WY kernel's
+            beta = beta_ref[rows].astype(jnp.float32)
+            row_w = beta * (jnp.exp2(g) if has_g else 1.0)
+            if key_scales is not None:
+                row_w = row_w * key_scales[m]
+            if has_segments:
+                row_w = jnp.where(run == run_first, row_w, 0.0)
+            return beta, row_w
+
         if transposed:
             for m in range(num_householder):
                 k = k_ref[rows, m, :].astype(dot_dtype)                  # [BT, K]
@@ -188,12 +198,7 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
                     w = w_ref[rows, m, :].astype(dot_dtype)
                     v_new_t = u_t - plgpu.dot(state_operand, w, trans_b=True)
                 else:
-                    beta = beta_ref[rows].astype(jnp.float32)
-                    row_w = beta * (jnp.exp2(g) if has_g else 1.0)
-                    if key_scales is not None:
-                        row_w = row_w * key_scales[m]
-                    if has_segments:
-                        row_w = jnp.where(run == run_first, row_w, 0.0)
+                    beta, row_w = w_row_weights(m)
                     kh_t = plgpu.dot(state_operand, k, trans_b=True)     # [BV, BT]
                     x_t = beta[None, :] * u_t - row_w[None, :] * kh_t
                     v_new_t = plgpu.dot(x_t.astype(dot_dtype),
@@ -208,12 +213,7 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
                 u = u_ref[rows, m, :].astype(jnp.float32)           # [BT, BV]
                 v_new = u - plgpu.dot(w, state_operand)             # [BT, BV] f32
             else:   # the WY stage's w h and u, from T ([BT, BT]) and v: one dot more, w, u not read
-                beta = beta_ref[rows].astype(jnp.float32)
-                row_w = beta * (jnp.exp2(g) if has_g else 1.0)
-                if key_scales is not None:
-                    row_w = row_w * key_scales[m]
-                if has_segments:
-                    row_w = jnp.where(run == run_first, row_w, 0.0)
+                beta, row_w = w_row_weights(m)
                 k = k_ref[rows, m, :].astype(dot_dtype)
                 kh = plgpu.dot(k, state_operand)
                 x = beta[:, None] * u_ref[rows, m, :].astype(jnp.float32) - row_w[:, None] * kh

@@ -378,6 +378,27 @@ def test_keys_l2norm_vjp_in_the_wy_kernel(dtype):
     assert not rule("pallas", jnp.bfloat16, False, 200)
 
 
+def test_gradients_through_the_transposed_walk(monkeypatch):
+    """Rows of few walk programs narrow the walks' value blocks, and the forward walks (the
+    primal one and the one that stores h at every sub-chunk for the backward) then carry the
+    state transposed (``chunk_h.pallas_fwd.BlockSizes.transposed``): o, the final state and every
+    input's gradient against float64 autodiff of the recurrence, bf16, gates, segments and an
+    initial state. The walk-length threshold is lowered so that a short row narrows."""
+    from gdp_jax.ops.chunk_h import pallas_fwd
+    monkeypatch.setattr(pallas_fwd, "LONG_WALK_STEPS", 1)
+    chosen = []
+    table = pallas_fwd.default_block_sizes
+    monkeypatch.setattr(pallas_fwd, "default_block_sizes",
+                        lambda *a, **kw: chosen.append(table(*a, **kw)) or chosen[-1])
+    case = Case(37, 16, 32, 2, 16, dtype="bfloat16")
+    p = build(case)
+    op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
+                           segment_ids=p.segment_ids, chunk_size=case.chunk_size,
+                           implementation="interpret")
+    check_gradients(p, op, False)
+    assert chosen and all(sizes.transposed and sizes.block_v == 16 for sizes in chosen), chosen
+
+
 @pytest.mark.parametrize("name,implementation", GRAD_PARAMS)
 def test_gradients_against_recurrence(name, implementation):
     case, l2norm, _ = GRAD_CASES[name]

@@ -421,6 +421,22 @@ def test_full_op(case, l2norm):
     assert_close(final_state, p.ref["final_state"], gpu_tol(case.dtype), "final_state (undifferentiated)")
 
 
+@pytest.mark.parametrize("m", [2, 3])
+def test_full_op_transposed_walks(m, monkeypatch):
+    """test_full_op's checks (o, final state, every input's gradient; then the undifferentiated
+    forward) where few walk programs narrow the value blocks and the compiled forward walks carry
+    the state transposed, the one storing h at every sub-chunk for the backward included: the
+    walk-length threshold lowered so that a row of 1000 tokens narrows (B1 H2: 16 columns)."""
+    from gdp_jax.ops.chunk_h import pallas_fwd
+    monkeypatch.setattr(pallas_fwd, "LONG_WALK_STEPS", 1)
+    case = Case(1000, 128, 128, m, 64, dtype="bfloat16", batch=1)
+    walks = case.batch * case.heads
+    sizes = pallas_fwd.default_block_sizes(case.key_dim, case.value_dim, 64, m, 1, jnp.bfloat16,
+                                           True, walks=walks, steps=2, applies_inverse=True)
+    assert sizes.transposed and sizes.block_v == 16
+    test_full_op(case, True)
+
+
 # use_qk_l2norm's undifferentiated forward (dispatch.l2norm_fused), the keys' factors made in the
 # compiled WY kernel and applied there, by the walk and by chunk_o, for each chunk_o variant: its
 # K loop at K = 128 (M = 1: 64-key steps; M = 2: 32-key steps; M = 3: with the value-column loop;

@@ -5,6 +5,7 @@ registers, spills, shared memory and the main loop's tensor-core, barrier and sh
     git apply benchmarks/results/2026-12-06_s24_reverse_walk_transposed_pending.patch
     pip download --no-deps triton==3.6.0 -d /tmp/tw && (mkdir -p /tmp/triton_site && cd /tmp/triton_site && unzip -q /tmp/tw/triton-*.whl)
     PYTHONPATH=. python benchmarks/results/2026-12-06_s24_codegen_long_row_reverse_walk.py /tmp/cg_rwalk
+    ... /tmp/cg_rwalk default,transposed,tr32,tr2,tr1     # the variants to build (default: the first four)
 """
 import dataclasses, json, os, sys
 sys.path.insert(0, "benchmarks")
@@ -22,9 +23,12 @@ args = (sds((B, P, H, K), bf16), sds((B, P, H, sub), bf16), sds((B, P, H), f32),
 base = hb.default_block_sizes(K, V, sub, sub * M, bf16, walks=B * H, steps=NS, applies_inverse=True)
 print("default", base)
 variants = {"default": {}, "transposed": dict(transposed=True),
-            "default_v64": dict(block_v=64), "transposed_v64": dict(transposed=True, block_v=64)}
+            "default_v64": dict(block_v=64), "transposed_v64": dict(transposed=True, block_v=64),
+            "tr32": dict(transposed=True, block_v=32), "tr2": dict(transposed=True, num_warps=2),
+            "tr1": dict(transposed=True, num_warps=1)}
+chosen = sys.argv[2].split(",") if len(sys.argv) > 2 else list(variants)[:4]
 meta = {}
-for name, over in variants.items():
+for name, over in ((n, variants[n]) for n in chosen):
     sizes = dataclasses.replace(base, **over)
     walk = lambda k, t, gamma, dh, dv, dfinal, beta, sizes=sizes: hb.chunk_h_bwd_walk(
         k, None, gamma, None, dh, dv, dfinal, chunk_size=sub, num_householder=1,

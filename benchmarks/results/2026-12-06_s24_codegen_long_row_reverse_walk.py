@@ -1,8 +1,8 @@
 """Offline sm_90a builds of the long row's reverse walk (from T, narrowed value blocks, the op's call), the default
-against dS carried transposed (BwdBlockSizes.transposed, results/2026-12-06_s24_reverse_walk_transposed_pending.patch):
+against dS carried transposed (BwdBlockSizes.transposed, results/2026-12-06_s24_reverse_walk_transposed_dropped.patch):
 registers, spills, shared memory and the main loop's tensor-core, barrier and shared-memory instructions.
 
-    git apply benchmarks/results/2026-12-06_s24_reverse_walk_transposed_pending.patch
+    git apply benchmarks/results/2026-12-06_s24_reverse_walk_transposed_dropped.patch
     pip download --no-deps triton==3.6.0 -d /tmp/tw && (mkdir -p /tmp/triton_site && cd /tmp/triton_site && unzip -q /tmp/tw/triton-*.whl)
     PYTHONPATH=. python benchmarks/results/2026-12-06_s24_codegen_long_row_reverse_walk.py /tmp/cg_rwalk
     ... /tmp/cg_rwalk default,transposed,tr32,tr2,tr1     # the variants to build (default: the first four)

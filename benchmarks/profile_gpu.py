@@ -26,7 +26,9 @@ stream; residuals from ops.gated_delta_product.states_pallas, random cotangents)
   walk_kernel:   the reverse walk alone (chunk_h_bwd_walk), both from w or from T as the op's
                  backward runs them (tune.backward_from_inverse);
   wy_bwd_pallas: the WY VJP kernel at the op's dots and cotangents (rhs_cotangents where the
-                 backward works from T); wy_bwd_xla (ops.wy.xla.wy_bwd_xla) and
+                 backward works from T), adding the other dk shares as the op does and, with
+                 --l2norm, the keys' l2norm VJP where the op has it there; wy_bwd_xla
+                 (ops.wy.xla.wy_bwd_xla, without the shares) and
   wy_autodiff:   jax.vjp of ops.wy.xla.wy_xla, the jnp alternatives;
   chunk_o_fwd, chunk_o_bwd: the output stage's kernels.
 Each row's floor (common.roofline_ms) is the larger of the bytes it must move (its operands read
@@ -173,6 +175,7 @@ def stage_functions(args, shp):
     import jax
     import jax.numpy as jnp
 
+    from gdp_jax._src import dispatch
     from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_walk
     from gdp_jax.ops.gated_delta_product import states_pallas
     from gdp_jax.ops.wy.xla import wy_bwd_xla, wy_xla
@@ -206,7 +209,14 @@ def stage_functions(args, shp):
             st = STAGES[key]()
             st.interpret = interpret
             sets = st.inputs(problems)
-            fns[name] = (st.call(st.default(shp, problems[0]), {}, shp, problems[0], interpret), sets)
+            options = {}
+            if key == "wy_bwd" and args.l2norm:   # the keys' l2norm VJP inside, where the op has it
+                states = dispatch.states_implementation(args.impl, p.k.dtype, shp["K"],
+                                                        shp.get("V") or shp["K"])
+                options["l2norm"] = dispatch.keys_l2norm_vjp_in_wy_kernel(
+                    states, p.k.dtype, interpret, shp["K"])
+            fns[name] = (st.call(st.default(shp, problems[0]), options, shp, problems[0],
+                                 interpret), sets)
         except Exception as e:  # noqa: BLE001
             fns[name] = (e, None)
             continue
@@ -221,14 +231,16 @@ def stage_functions(args, shp):
                     **st.walk_operands(w, beta), **walk), sets)
         if key == "wy_bwd":
             sub, f32 = st.grid[0]["sub"], jnp.float32
-            fns["wy_bwd_xla"] = (lambda k, v, beta, gamma, runs, inverse, dw, du: wy_bwd_xla(
-                k, v, beta, gamma, runs, dw, du, chunk_size=sub), sets)
+            # the jnp alternatives take the WY VJP's own operands (the op adds the other dk
+            # shares after them, in XLA)
+            fns["wy_bwd_xla"] = (lambda k, v, beta, gamma, runs, inverse, dw, du, *shares: wy_bwd_xla(
+                k, v, beta, gamma, runs, dw, du, chunk_size=sub), [s[:8] for s in sets])
 
             def wy_autodiff(k, v, beta, gamma, runs, inverse, dw, du):
                 fn = lambda *a: wy_xla(*a, runs, chunk_size=sub, num_householder=1)
                 _, vjp = jax.vjp(fn, k.astype(f32), v.astype(f32), beta.astype(f32), gamma)
                 return vjp((dw.astype(f32), du.astype(f32)))
-            fns["wy_autodiff"] = (wy_autodiff, sets)
+            fns["wy_autodiff"] = (wy_autodiff, [s[:8] for s in sets])
     return fns
 
 
@@ -286,7 +298,9 @@ def main(argv=None):
     add_dtype_arg(p)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--l2norm", action="store_true",
-                   help="the op's rows with use_qk_l2norm=True (the stages' rows are unchanged)")
+                   help="the op's rows with use_qk_l2norm=True, and the WY VJP stage with the "
+                        "keys' l2norm VJP where the op runs it there (the other stages' rows are "
+                        "unchanged)")
     p.add_argument("--calls", type=int, default=5, help="--mode kernels: calls traced per function")
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU logic check)")
     p.add_argument("--impl", default=None, choices=["pallas", "interpret", "xla"],

@@ -412,6 +412,13 @@ def backward_from_inverse(p, interpret: bool) -> bool:
     return out[3][0] is None
 
 
+def walk_key_gate_terms(p, interpret: bool) -> bool:
+    """Whether the op's epilogue forms the gate terms of the walk's dk share itself (reading k):
+    only where the WY VJP kernel does not (``_states_bwd``: ``key_gate_terms=not wy_kernel``)."""
+    from gdp_jax._src import dispatch
+    return not dispatch.wy_bwd_runs_kernel(p.k.dtype, interpret)
+
+
 class WalkBwd(Wy):
     """The walk's VJP (reverse walk and epilogue) as the op's backward calls it: from w, or from
     the WY stage's T and beta where the op's backward works from T (``backward_from_inverse``;
@@ -474,7 +481,7 @@ class WalkBwd(Wy):
             k=k, g=gamma, runs=runs, h=h_sub, v_new=v_new, dh=dh, dv_new=dv_new, dfinal=dfinal,
             chunk_size=grid["sub"], num_householder=1, with_initial_state=False,
             subchunks=grid["subchunks"], dot_dtype=dot, interpret=interpret, block_sizes=sizes,
-            **self.walk_operands(w, beta))
+            key_gate_terms=walk_key_gate_terms(p, interpret), **self.walk_operands(w, beta))
 
     def sweep(self, shape, default):
         out = [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64) for w in (4, 8)]
@@ -484,10 +491,14 @@ class WalkBwd(Wy):
 
 
 class WyBwd(Wy):
-    """The WY VJP kernel as the op's backward calls it; ``rhs_cotangents`` None: the op's (True
-    where its backward works from T, ``backward_from_inverse``). Random cotangents either way, so
-    a config that flips ``rhs_cotangents`` computes another VJP: its check fails, its time stands."""
-    options = dict(operand_dtype=None, precision=None, rhs_cotangents=None)   # None: the op's
+    """The WY VJP kernel as the op's backward calls it: with the two other shares of dk added in
+    (the walk's, in its dots' dtype, whose gate terms it forms, and the output stage's, in k's
+    dtype); ``rhs_cotangents`` None: the op's (True where its backward works from T,
+    ``backward_from_inverse``); ``l2norm=True``: with the keys' l2norm factors (``key_factor``),
+    as use_qk_l2norm's backward calls it where ``dispatch.keys_l2norm_vjp_in_wy_kernel``. Random
+    cotangents and factors, so a config that flips ``rhs_cotangents`` or ``l2norm`` computes
+    another VJP: its check fails, its time stands."""
+    options = dict(operand_dtype=None, precision=None, rhs_cotangents=None, l2norm=False)
 
     def inputs(self, problems):
         import jax
@@ -503,17 +514,22 @@ class WyBwd(Wy):
                                           inverse_dtype=inverse_dtype))
         work = grid["work_dtype"]
 
+        share_dtype = grid["walk_bwd_dot_dtype"]
+
         @jax.jit
-        def cotangents(key, k, v):            # of w and u
-            keys = jax.random.split(key, 2)
-            return ((1e-2 * jax.random.normal(keys[0], k.shape)).astype(work),
-                    (1e-2 * jax.random.normal(keys[1], v.shape)).astype(work))
+        def cotangents(key, k, v):   # of w and u; the walk's and the output stage's dk; factors
+            keys = jax.random.split(key, 5)
+            normal = lambda i, shape: 1e-2 * jax.random.normal(keys[i], shape)
+            factor = jax.random.uniform(keys[4], k.shape[:3], minval=0.5, maxval=2.0)
+            return (normal(0, k.shape).astype(work), normal(1, v.shape).astype(work),
+                    normal(2, k.shape).astype(share_dtype), normal(3, k.shape).astype(k.dtype),
+                    factor)
 
         out = []
         for i, (k, v, beta, gamma, runs) in enumerate(wy_sets):
             _, _, inverse = wy(k, v, beta, gamma, runs)
-            dw, du = cotangents(jax.random.PRNGKey(99 + i), k, v)
-            out.append((k, v, beta, gamma, runs, inverse, dw, du))
+            out.append((k, v, beta, gamma, runs, inverse,
+                        *cotangents(jax.random.PRNGKey(99 + i), k, v)))
         return out
 
     def default(self, shape, p):
@@ -533,10 +549,12 @@ class WyBwd(Wy):
             operand = None if options["operand_dtype"] == "float32" else jnp.dtype(options["operand_dtype"])
         rhs = options.get("rhs_cotangents")
         rhs = self.op_rhs_cotangents if rhs is None else bool(rhs)
-        return lambda k, v, beta, gamma, runs, inverse, dw, du: wy_bwd_pallas(
+        l2norm = bool(options.get("l2norm"))
+        return lambda k, v, beta, gamma, runs, inverse, dw, du, dk_walk, dk_out, factor: wy_bwd_pallas(
             k, v, beta, gamma, runs, inverse, dw, du, sub_chunk=grid["sub"], precision=precision,
-            operand_dtype=operand, out_dtype=k.dtype, rhs_cotangents=rhs, interpret=interpret,
-            block_sizes=sizes)
+            operand_dtype=operand, dk_accumulate=(dk_walk, dk_out), out_dtype=k.dtype,
+            rhs_cotangents=rhs, walk_share_gates=True, key_factor=factor if l2norm else None,
+            interpret=interpret, block_sizes=sizes)
 
     def sweep(self, shape, default):
         out = [dict(num_warps=w, block_cols=c, num_stages=s)

@@ -408,22 +408,24 @@ def test_tune_walk_defaults_of_forward_and_backward_walks(tmp_path):
 def test_tune_backward_stages_where_the_op_works_from_T(tmp_path):
     """bf16 at K = 128: the op's backward works from T, and so do the walk_bwd and wy_bwd stages
     (T as the walk's operand, the WY VJP on right-hand-side cotangents); walk_t also runs as the
-    differentiable forward's walk (every_chunk_too)."""
+    differentiable forward's walk (every_chunk_too). The wy_bwd stage adds the other dk shares
+    as the op does (the walk's, whose gate terms it forms, so the epilogue of walk_bwd does not)."""
     tune = script("tune")
     shape = ["--shapes", "B=1,T=32,H=1,K=128,V=16,M=2", "--dtype", "bf16", "--chunk", "16",
              "--sets", "1", "--reps", "1", "--target-ms", "1", *COPY]
-    for stage, configs in (("walk_bwd", "w8:num_warps=8"), ("wy_bwd", "w:rhs_cotangents=0"),
+    for stage, configs in (("walk_bwd", "w8:num_warps=8"),
+                           ("wy_bwd", "w:rhs_cotangents=0;n:l2norm=1"),
                            ("walk_t", "every:every_chunk_too=1")):
         out = tmp_path / f"{stage}.json"
         tune.main(["--stage", stage, "--configs", configs, "--out", str(out), *shape])
         rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
         assert rows["default"]["ok"], rows
-        name = configs.split(":")[0]
-        assert rows[name]["ms"] > 0, rows
-        if stage == "wy_bwd":       # the w, u cotangents' VJP: another function of the same inputs
-            assert rows[name]["relerr"] > 1e-2
-        else:
-            assert rows[name]["ok"], rows
+        for name in (c.split(":")[0] for c in configs.split(";")):
+            assert rows[name]["ms"] > 0, rows
+            if stage == "wy_bwd":   # other cotangents or the keys' l2norm VJP: another function
+                assert rows[name]["relerr"] > 1e-2, rows
+            else:
+                assert rows[name]["ok"], rows
     stage = tune.STAGES["walk_bwd"]()
     stage.interpret = True
     problems = script("common").make_problems(dict(B=1, T=32, H=1, K=128, V=16, M=2), op="full",
@@ -431,14 +433,25 @@ def test_tune_backward_stages_where_the_op_works_from_T(tmp_path):
     (operands,) = stage.inputs(problems)
     assert stage.from_inverse and operands[1].shape[-1] == 16      # T [B, P, H, sub]
     assert tune.backward_from_inverse(problems[0], True)
+    # the epilogue leaves the gate terms of the walk's dk share to the WY VJP kernel wherever
+    # that kernel runs (16-bit inputs, or the interpreter), as _states_bwd has it
+    assert not tune.walk_key_gate_terms(problems[0], True)
+    assert not tune.walk_key_gate_terms(problems[0], False)
     f32 = script("common").make_problems(dict(B=1, T=32, H=1, K=128, V=16, M=2), op="full",
                                          dtype="f32", sets=1, chunk_size=16)
     assert not tune.backward_from_inverse(f32[0], True)
+    assert tune.walk_key_gate_terms(f32[0], False)      # compiled float32: the WY VJP in jnp
     result = script("profile_gpu").main(["--mode", "stages", "--shape", "B=1,T=32,H=1,K=128,V=16,M=2",
-                                         "--dtype", "bf16", "--chunk", "16", "--only", "walk_kernel",
+                                         "--dtype", "bf16", "--chunk", "16",
+                                         "--only", "walk_kernel,wy_bwd_pallas,wy_bwd_xla", "--l2norm",
                                          "--sets", "1", "--reps", "1", "--target-ms", "1",
                                          "--out", str(tmp_path / "stages.json"), *COPY])
-    assert result["rows"]["walk_kernel"]["ms"] > 0, result["rows"]
+    rows = result["rows"]
+    assert all(rows[name]["ms"] > 0 for name in ("walk_kernel", "wy_bwd_pallas", "wy_bwd_xla")), rows
+    # the kernel's floor, counted by hand on the P = 64 positions: k, dw, the two dk shares and dk
+    # ([P, 128] bf16 each), v, T, du and dv ([P, 16] bf16), beta (bf16), gamma, the keys' factors,
+    # dbeta and dgamma (float32)
+    assert rows["wy_bwd_pallas"]["bytes"] == 64 * (5 * 128 * 2 + 4 * 16 * 2 + 2 + 4 * 4)
 
 
 def test_tune_ab_rounds_list_and_budget(capsys):

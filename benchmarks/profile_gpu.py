@@ -26,9 +26,10 @@ stream; residuals from ops.gated_delta_product.states_pallas, random cotangents)
   walk_kernel:   the reverse walk alone (chunk_h_bwd_walk), both from w or from T as the op's
                  backward runs them (tune.backward_from_inverse);
   wy_bwd_pallas: the WY VJP kernel at the op's dots and cotangents (rhs_cotangents where the
-                 backward works from T), adding the other dk shares as the op does and, with
-                 --l2norm, the keys' l2norm VJP where the op has it there; wy_bwd_xla
-                 (ops.wy.xla.wy_bwd_xla, without the shares) and
+                 backward works from T), adding the other dk shares as the op does;
+  wy_bwd_pallas_l2norm: the same with the keys' l2norm VJP inside (key_factor), as
+                 use_qk_l2norm's backward runs it where dispatch.keys_l2norm_vjp_in_wy_kernel;
+                 wy_bwd_xla (ops.wy.xla.wy_bwd_xla, without the shares) and
   wy_autodiff:   jax.vjp of ops.wy.xla.wy_xla, the jnp alternatives;
   chunk_o_fwd, chunk_o_bwd: the output stage's kernels.
 Each row's floor (common.roofline_ms) is the larger of the bytes it must move (its operands read
@@ -62,7 +63,8 @@ def stage_dot_flops(name: str, shp: dict, chunk: int) -> float:
       WY writing T alone: K K^T and the inverse, 2 P S K + 2 P S^2 / 3; the walk applying it:
                k h, T x and k^T v_new, 4 P K V + 2 P S V;
       chunk_o: q k^T and A v_new over a token chunk's C * M positions, q h: 2 T (C M (K + V) + K V).
-    A backward does twice its forward's dots (every product's VJP is two products of its size):
+    A backward does twice its forward's dots (every product's VJP is two products of its size),
+    and the WY VJP with the keys' l2norm VJP inside (wy_bwd_pallas_l2norm) the gram K K^T more:
     the reverse walk alone (walk_kernel) as many as the forward walk, the walk's whole VJP (with
     its epilogue) twice; the op's forward + backward three times its forward."""
     b, t, h, k, m = (shp[c] for c in "BTHKM")
@@ -75,7 +77,8 @@ def stage_dot_flops(name: str, shp: dict, chunk: int) -> float:
     flops = dict(op_fwd=wy + walk + out, op_fwdbwd=3 * (wy + walk + out), states_fwd=wy + walk,
                  states_fwd_rule=wy + walk, wy_fwd=wy, walk_fwd=walk, wy_fwd_t=wy_t,
                  walk_fwd_t=walk_t, walk_kernel=walk,
-                 walk_bwd=2 * walk, wy_bwd_pallas=2 * wy, wy_bwd_xla=2 * wy, wy_autodiff=2 * wy,
+                 walk_bwd=2 * walk, wy_bwd_pallas=2 * wy, wy_bwd_pallas_l2norm=2 * wy + 2 * p * s * k,
+                 wy_bwd_xla=2 * wy, wy_autodiff=2 * wy,
                  chunk_o_fwd=out, chunk_o_bwd=2 * out)
     return float(b * h * flops[name])
 
@@ -175,7 +178,6 @@ def stage_functions(args, shp):
     import jax
     import jax.numpy as jnp
 
-    from gdp_jax._src import dispatch
     from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_walk
     from gdp_jax.ops.gated_delta_product import states_pallas
     from gdp_jax.ops.wy.xla import wy_bwd_xla, wy_xla
@@ -202,21 +204,20 @@ def stage_functions(args, shp):
                                 ("walk_bwd", "walk_bwd", full), ("wy_bwd_pallas", "wy_bwd", full),
                                 ("chunk_o_fwd", "chunk_o_fwd", chunk_o),
                                 ("chunk_o_bwd", "chunk_o_bwd", chunk_o)):
-        extra = dict(walk_bwd=("walk_kernel",), wy_bwd=("wy_bwd_xla", "wy_autodiff")).get(key, ())
+        extra = dict(walk_bwd=("walk_kernel",),
+                     wy_bwd=("wy_bwd_pallas_l2norm", "wy_bwd_xla", "wy_autodiff")).get(key, ())
         if not wanted(name, *extra):
             continue
         try:
             st = STAGES[key]()
             st.interpret = interpret
             sets = st.inputs(problems)
-            options = {}
-            if key == "wy_bwd" and args.l2norm:   # the keys' l2norm VJP inside, where the op has it
-                states = dispatch.states_implementation(args.impl, p.k.dtype, shp["K"],
-                                                        shp.get("V") or shp["K"])
-                options["l2norm"] = dispatch.keys_l2norm_vjp_in_wy_kernel(
-                    states, p.k.dtype, interpret, shp["K"])
-            fns[name] = (st.call(st.default(shp, problems[0]), options, shp, problems[0],
-                                 interpret), sets)
+            fns[name] = (st.call(st.default(shp, problems[0]), {}, shp, problems[0], interpret),
+                         sets)
+            if key == "wy_bwd" and wanted("wy_bwd_pallas_l2norm"):
+                fns["wy_bwd_pallas_l2norm"] = (st.call(st.default(shp, problems[0]),
+                                                       dict(l2norm=True), shp, problems[0],
+                                                       interpret), sets)
         except Exception as e:  # noqa: BLE001
             fns[name] = (e, None)
             continue
@@ -298,9 +299,7 @@ def main(argv=None):
     add_dtype_arg(p)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--l2norm", action="store_true",
-                   help="the op's rows with use_qk_l2norm=True, and the WY VJP stage with the "
-                        "keys' l2norm VJP where the op runs it there (the other stages' rows are "
-                        "unchanged)")
+                   help="the op's rows with use_qk_l2norm=True (the stages' rows are unchanged)")
     p.add_argument("--calls", type=int, default=5, help="--mode kernels: calls traced per function")
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU logic check)")
     p.add_argument("--impl", default=None, choices=["pallas", "interpret", "xla"],

@@ -414,9 +414,14 @@ def backward_from_inverse(p, interpret: bool) -> bool:
 
 def walk_key_gate_terms(p, interpret: bool) -> bool:
     """Whether the op's epilogue forms the gate terms of the walk's dk share itself (reading k):
-    only where the WY VJP kernel does not (``_states_bwd``: ``key_gate_terms=not wy_kernel``)."""
-    from gdp_jax._src import dispatch
-    return not dispatch.wy_bwd_runs_kernel(p.k.dtype, interpret)
+    only where the WY VJP kernel, which otherwise forms them, does not run, i.e. where the
+    differentiable forward keeps no inverses for it (read off its output structure)."""
+    import jax
+    from gdp_jax.ops.gated_delta_product import states_pallas
+    out = jax.eval_shape(lambda k, v, beta, g, runs: states_pallas(
+        k, v, beta, g, runs, None, chunk_size=p.chunk_size, num_householder=p.shape["M"],
+        interpret=interpret, every_sub_chunk=True), p.k, p.v, p.beta, p.g, p.runs)
+    return out[3][1] is None
 
 
 class WalkBwd(Wy):
@@ -495,7 +500,7 @@ class WyBwd(Wy):
     (the walk's, in its dots' dtype, whose gate terms it forms, and the output stage's, in k's
     dtype); ``rhs_cotangents`` None: the op's (True where its backward works from T,
     ``backward_from_inverse``); ``l2norm=True``: with the keys' l2norm factors (``key_factor``),
-    as use_qk_l2norm's backward calls it where ``dispatch.keys_l2norm_vjp_in_wy_kernel``. Random
+    as use_qk_l2norm's backward calls it at K <= 128 (``keys_l2norm_vjp_in_wy_kernel``). Random
     cotangents and factors, so a config that flips ``rhs_cotangents`` or ``l2norm`` computes
     another VJP: its check fails, its time stands."""
     options = dict(operand_dtype=None, precision=None, rhs_cotangents=None, l2norm=False)

@@ -555,7 +555,7 @@ class WyBwd(Wy):
         rhs = options.get("rhs_cotangents")
         rhs = self.op_rhs_cotangents if rhs is None else bool(rhs)
         l2norm = bool(options.get("l2norm"))
-        return lambda k, v, beta, gamma, runs, inverse, dw, du, dk_walk, dk_out, factor: wy_bwd_pallas(
+        return lambda k, v, beta, gamma, runs, inverse, dw, du, dk_walk, dk_out, factor=None: wy_bwd_pallas(
             k, v, beta, gamma, runs, inverse, dw, du, sub_chunk=grid["sub"], precision=precision,
             operand_dtype=operand, dk_accumulate=(dk_walk, dk_out), out_dtype=k.dtype,
             rhs_cotangents=rhs, walk_share_gates=True, key_factor=factor if l2norm else None,

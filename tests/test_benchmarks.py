@@ -443,16 +443,17 @@ def test_tune_backward_stages_where_the_op_works_from_T(tmp_path):
     assert tune.walk_key_gate_terms(f32[0], False)      # compiled float32: the WY VJP in jnp
     result = script("profile_gpu").main(["--mode", "stages", "--shape", "B=1,T=32,H=1,K=128,V=16,M=2",
                                          "--dtype", "bf16", "--chunk", "16",
-                                         "--only", "walk_kernel,wy_bwd_pallas_l2norm,wy_bwd_xla",
+                                         "--only", "walk_kernel,wy_bwd_pallas,wy_bwd_pallas_l2norm,wy_bwd_xla",
                                          "--sets", "1", "--reps", "1", "--target-ms", "1",
                                          "--out", str(tmp_path / "stages.json"), *COPY])
     rows = result["rows"]
-    assert set(rows) == {"walk_kernel", "wy_bwd_pallas_l2norm", "wy_bwd_xla"}, rows
+    assert set(rows) == {"walk_kernel", "wy_bwd_pallas", "wy_bwd_pallas_l2norm", "wy_bwd_xla"}, rows
     assert all(row["ms"] > 0 for row in rows.values()), rows
     # the kernel's floor, counted by hand on the P = 64 positions: k, dw, the two dk shares and dk
     # ([P, 128] bf16 each), v, T, du and dv ([P, 16] bf16), beta (bf16), gamma, the keys' factors,
     # dbeta and dgamma (float32)
     assert rows["wy_bwd_pallas_l2norm"]["bytes"] == 64 * (5 * 128 * 2 + 4 * 16 * 2 + 2 + 4 * 4)
+    assert rows["wy_bwd_pallas"]["bytes"] == rows["wy_bwd_pallas_l2norm"]["bytes"] - 64 * 4
 
 
 def test_tune_ab_rounds_list_and_budget(capsys):

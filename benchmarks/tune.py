@@ -23,7 +23,8 @@ stage's BlockSizes fields, default and sweep):
   walk_t       the walk applying that T itself (inverse=, beta=)
   walk_bwd     ops.chunk_h.pallas_bwd.chunk_h_bwd_pallas (reverse walk + epilogue; the forward's
                residuals from ops.gated_delta_product.states_pallas, random cotangents)
-  wy_bwd       ops.wy.pallas_bwd.wy_bwd_pallas (the forward's inverses, random cotangents)
+  wy_bwd       ops.wy.pallas_bwd.wy_bwd_pallas (the forward's inverses, random cotangents and the
+               other dk shares, as the op adds them)
 
 A config is ``name:field=value,...`` (``name:`` optional), fields of that stage's BlockSizes,
 applied as dataclasses.replace(default_block_sizes(...), **fields); values are ints, True/False,

@@ -401,28 +401,28 @@ class WalkT(Walk):
                       if (bv, w) != (64, 4)]
 
 
-def backward_from_inverse(p, interpret: bool) -> bool:
-    """Whether the op's backward on Problem p works from the WY stage's T (its differentiable
-    forward keeps no w: ``states_pallas``'s residual w is None), read off the forward's output
-    structure (jax.eval_shape: nothing runs)."""
+def backward_residuals(p, interpret: bool):
+    """The shapes of what the op's differentiable forward on Problem p keeps for its backward,
+    ``states_pallas(every_sub_chunk=True)``'s (w, inverse, h_sub, v_new), None where it keeps
+    none (jax.eval_shape: nothing runs)."""
     import jax
     from gdp_jax.ops.gated_delta_product import states_pallas
-    out = jax.eval_shape(lambda k, v, beta, g, runs: states_pallas(
+    return jax.eval_shape(lambda k, v, beta, g, runs: states_pallas(
         k, v, beta, g, runs, None, chunk_size=p.chunk_size, num_householder=p.shape["M"],
-        interpret=interpret, every_sub_chunk=True), p.k, p.v, p.beta, p.g, p.runs)
-    return out[3][0] is None
+        interpret=interpret, every_sub_chunk=True), p.k, p.v, p.beta, p.g, p.runs)[3]
+
+
+def backward_from_inverse(p, interpret: bool) -> bool:
+    """Whether the op's backward on Problem p works from the WY stage's T (its differentiable
+    forward keeps no w)."""
+    return backward_residuals(p, interpret)[0] is None
 
 
 def walk_key_gate_terms(p, interpret: bool) -> bool:
     """Whether the op's epilogue forms the gate terms of the walk's dk share itself (reading k):
     only where the WY VJP kernel, which otherwise forms them, does not run, i.e. where the
-    differentiable forward keeps no inverses for it (read off its output structure)."""
-    import jax
-    from gdp_jax.ops.gated_delta_product import states_pallas
-    out = jax.eval_shape(lambda k, v, beta, g, runs: states_pallas(
-        k, v, beta, g, runs, None, chunk_size=p.chunk_size, num_householder=p.shape["M"],
-        interpret=interpret, every_sub_chunk=True), p.k, p.v, p.beta, p.g, p.runs)
-    return out[3][1] is None
+    differentiable forward keeps no inverses for it."""
+    return backward_residuals(p, interpret)[1] is None
 
 
 class WalkBwd(Wy):

@@ -394,6 +394,9 @@ NORMALIZED_CASES = {
     "S64-g-seg-bf16-rhs": (64, True, True, "bfloat16", True,
                            dict(operand_dtype=jnp.bfloat16, walk_share_gates=True,
                                 out_dtype=jnp.bfloat16)),
+    "S64-g-bf16-rhs-cols16": (64, True, False, "bfloat16", True,
+                              dict(operand_dtype=jnp.bfloat16, walk_share_gates=True,
+                                   out_dtype=jnp.bfloat16, block_sizes=BlockSizes(block_cols=16))),
 }
 
 
@@ -402,7 +405,8 @@ def test_wy_bwd_key_factor(name):
     """key_factor: given l2norm's rows k = r x of raw keys x and their factors r, dk is the
     cotangent of x, every dk share included: float64 autodiff of x -> (wy_dense(l2norm(x)),
     l2norm(x)) with cotangents (dw, du, the shares' sum). dv, dbeta and dgamma are the plain
-    call's (the same k), up to the order of the row sums."""
+    call's (the same k), up to the order of the row sums. K = 32: the cases at 16 columns take
+    the row sums from the gram (several key blocks), the others off the one dk tile."""
     sub_chunk, gated, segments, dtype, rhs, kw = NORMALIZED_CASES[name]
     primals, (dw, du) = make_inputs(sub_chunk=sub_chunk, num_sub_chunks=3 if sub_chunk < 64 else 2,
                                     key_dim=32, value_dim=64, gated=gated, segments=segments,

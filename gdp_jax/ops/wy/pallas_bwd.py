@@ -50,7 +50,11 @@ every step is a whole-tile dot on tensor cores. Per program (one sub-chunk):
 With ``key_factor`` (the keys are l2norm's rows of raw keys, whose cotangent dk becomes) step 4
 must know k_j·dk_j before it writes a block: step 2 also sums the gram G = K K^T, k·dRw and k·(each
 share), step 3 reads k_j·P1_j = sum_i F_ji G_ji and k_i·P2_i = sum_j F_ji beta_j G_ji off F ∘ G,
-and step 4 writes r (dk - k (k·dk)) with no row sums of its own.
+and step 4 writes r (dk - k (k·dk)) with no row sums of its own. Where one block holds every key
+column (K <= ``block_cols``), step 4 forms the whole dk tile before it writes it and takes k·dk off
+that tile, so step 2 sums nothing extra (K = 64: the op's forward + backward 0.96-0.97x; at
+K = 128 one 128-column block spills at 4 warps and takes a whole SM at 8, both slower; RESULTS.md,
+"WY backward").
 
 Given dRw and dRu instead of dw and du (``rhs_cotangents``), steps 1-2 form T^T M = dRw Rw^T +
 dRu Ru^T directly and step 3 needs one dot: dA = -mask ∘ ((T^T M) T^T).
@@ -128,7 +132,8 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
         return m + dot(cot, keys * scale_w[:, None], trans_b=True)
 
     normalized = key_factor_ref is not None
-    if normalized:
+    one_key_block = k_ref.shape[-1] <= block_cols
+    if normalized and not one_key_block:
         # l2norm's VJP needs the row sums k_j·dk_j before the first dk block is written, so they
         # come from this pass: the gram G = K K^T (k·P1 and k·P2 are sums of F ∘ G, step 3),
         # k·dRw (directly, or as colsum(T ∘ dW K^T)) and k·(each share).
@@ -170,7 +175,7 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
     # (+ the other shares); with walk_share_gates also k·(the first share).
     gates_of_share = walk_share_gates and has_g
 
-    if normalized:   # dk_raw = r (dk - k (k·dk)), the row sums from steps 2-3
+    if normalized and not one_key_block:   # dk_raw = r (dk - k (k·dk)), the row sums from steps 2-3
         weighted = f * gram
         k_dot_p1 = jnp.sum(weighted, axis=1)                   # k_j·P1_j = sum_i F_ji G_ji
         k_dot_p2 = jnp.sum(weighted * beta[:, None], axis=0)   # k_i·P2_i = sum_j F_ji beta_j G_ji
@@ -206,6 +211,8 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
             dk += share
             if i == 0 and gates_of_share:
                 k_dot_share = [k_dot_share[0] + jnp.sum(keys * share, axis=1)]
+        if normalized:   # one key block: the row sums k·dk come off the dk tile itself
+            dk = key_factor_ref[...][:, None] * (dk - keys * jnp.sum(keys * dk, axis=1)[:, None])
         dk_ref[:, cols] = dk.astype(dk_ref.dtype)
         return (k_dot_drw + jnp.sum(keys * d_rhs, axis=1), k_dot_p1 + jnp.sum(keys * p1, axis=1),
                 k_dot_p2 + jnp.sum(keys * p2, axis=1), *k_dot_share)

@@ -224,8 +224,9 @@ def test_walk_applies_inverse(case, monkeypatch):
 @pytest.mark.parametrize("inverse", [False, True], ids=["w_u", "T"])
 def test_walk_transposed_state(inverse):
     """BlockSizes(transposed=True), the state carried as h^T: h at every sub-chunk, v_new and the
-    final state as the default walk gives them (float32 dots: to float32 rounding), from w and u
-    and from T, with gates, segments, an initial state and key factors, on the sub-chunk grid."""
+    final state as the default walk gives them (float32 dots: to float32 rounding), from T, with
+    gates, segments, an initial state and key factors, on the sub-chunk grid. From w and u the
+    walk refuses it (the form was slower there and was removed)."""
     import dataclasses
     from gdp_jax.ops.chunk_h import pallas_fwd
     from gdp_jax.ops.gated_delta_product import sub_grid_operands
@@ -251,6 +252,10 @@ def test_walk_transposed_state(inverse):
         subchunks=subchunks, every_chunk_too=True, key_scale=key_scale,
         inverse=operands.get("inverse"), beta=operands.get("beta"), interpret=True,
         block_sizes=sizes)
+    if not inverse:
+        with pytest.raises(ValueError, match=r"transposed=True\) needs inverse and beta"):
+            walk(dataclasses.replace(default, block_v=16, transposed=True))
+        return
     want = walk(dataclasses.replace(default, block_v=16))
     got = walk(dataclasses.replace(default, block_v=16, transposed=True))
     assert_all_close(dict(zip(("h", "v_new", "final_state", "h_every"), got)),

@@ -31,10 +31,11 @@ class BlockSizes:
     ``block_v`` None means min(V, 64). ``chunks_per_step``: on the sub-chunk grid
     (``subchunks`` > 1), the sub-chunks one loop step takes, a divisor of ``subchunks`` (None:
     all of a token chunk's); fewer rows a step let two stages fit in shared memory where a whole
-    token chunk's do not. ``transposed``: the state carried as h^T [BV, K], so that each dot of a
-    step's chain takes the previous result as its left operand, kept in registers, where the
-    default form stores it to shared memory and waits on a barrier before the next dot reads it
-    (same products, same results). ``default_block_sizes`` picks them per problem."""
+    token chunk's do not. ``transposed`` (the walk applying T only): the state carried as h^T
+    [BV, K], so that each dot of a step's chain takes the previous result as its left operand,
+    kept in registers, where the default form stores it to shared memory and waits on a barrier
+    before the next dot reads it (same products, same results). ``default_block_sizes`` picks
+    them per problem."""
     block_v: Optional[int] = None
     num_warps: int = 4
     num_stages: int = 1
@@ -194,15 +195,11 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
             for m in range(num_householder):
                 k = k_ref[rows, m, :].astype(dot_dtype)                  # [BT, K]
                 u_t = u_ref[rows, m, :].astype(jnp.float32).T            # [BV, BT]
-                if beta_ref is None:
-                    w = w_ref[rows, m, :].astype(dot_dtype)
-                    v_new_t = u_t - plgpu.dot(state_operand, w, trans_b=True)
-                else:
-                    beta, row_w = w_row_weights(m)
-                    kh_t = plgpu.dot(state_operand, k, trans_b=True)     # [BV, BT]
-                    x_t = beta[None, :] * u_t - row_w[None, :] * kh_t
-                    v_new_t = plgpu.dot(x_t.astype(dot_dtype),
-                                        w_ref[rows, m, :].astype(dot_dtype), trans_b=True)
+                beta, row_w = w_row_weights(m)
+                kh_t = plgpu.dot(state_operand, k, trans_b=True)         # [BV, BT]
+                x_t = beta[None, :] * u_t - row_w[None, :] * kh_t
+                v_new_t = plgpu.dot(x_t.astype(dot_dtype),
+                                    w_ref[rows, m, :].astype(dot_dtype), trans_b=True)
                 v_new_ref[rows, m, :] = v_new_t.T.astype(v_new_ref.dtype)
                 v_decayed_t = (v_new_t * row_coeffs[m][None, :]).astype(dot_dtype)
                 update += plgpu.dot(v_decayed_t, k)                      # [BV, K] f32
@@ -299,6 +296,9 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     if chunks_per_step < 1 or subchunks % chunks_per_step:
         raise ValueError(f"chunk_h_pallas: chunks_per_step must divide subchunks = {subchunks}; "
                          f"got {chunks_per_step}")
+    if sizes.transposed and inverse is None:
+        raise ValueError("chunk_h_pallas: BlockSizes(transposed=True) needs inverse and beta (the "
+                         "walk applying T); got w")
     t_pad = tokens + pad_t
     key_stream = pl.BlockSpec((None, t_pad, m, None, kp), lambda vb, hd, b: (b, 0, 0, hd, 0))
     value_stream = pl.BlockSpec((None, t_pad, m, None, block_v), lambda vb, hd, b: (b, 0, 0, hd, vb))

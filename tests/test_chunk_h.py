@@ -221,12 +221,10 @@ def test_walk_applies_inverse(case, monkeypatch):
                      dict(h=h_wu, v_new=v_new_wu, final_state=final_wu), tol)
 
 
-@pytest.mark.parametrize("inverse", [False, True], ids=["w_u", "T"])
-def test_walk_transposed_state(inverse):
+def test_walk_transposed_state():
     """BlockSizes(transposed=True), the state carried as h^T: h at every sub-chunk, v_new and the
     final state as the default walk gives them (float32 dots: to float32 rounding), from T, with
-    gates, segments, an initial state and key factors, on the sub-chunk grid. From w and u the
-    walk refuses it (the form was slower there and was removed)."""
+    gates, segments, an initial state and key factors, on the sub-chunk grid."""
     import dataclasses
     from gdp_jax.ops.chunk_h import pallas_fwd
     from gdp_jax.ops.gated_delta_product import sub_grid_operands
@@ -236,30 +234,30 @@ def test_walk_transposed_state(inverse):
     k_p, v_p, beta_p, gamma, runs_p, h0, sub = sub_grid_operands(
         p.k, p.v, p.beta, p.g_raw, p.runs, p.initial_state, case.chunk_size, case.m)
     key_scale = jnp.asarray(np.random.default_rng(3).uniform(0.5, 1.5, k_p.shape[:3]), jnp.float32)
-    if inverse:
-        (t,) = wy_pallas(k_p, None, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=jnp.float32,
-                         interpret=True, return_inverse=True, w_and_u=False)
-        operands = dict(w=None, u=v_p, inverse=t, beta=beta_p)
-    else:
-        w, u = wy_pallas(k_p, v_p, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=jnp.float32,
-                         interpret=True)
-        operands = dict(w=w, u=u)
+    (t,) = wy_pallas(k_p, None, beta_p, gamma, runs_p, sub_chunk=sub, out_dtype=jnp.float32,
+                     interpret=True, return_inverse=True, w_and_u=False)
     subchunks = case.chunk_size * case.m // sub
     default = pallas_fwd.default_block_sizes(case.key_dim, case.value_dim, sub, subchunks, 1,
                                              jnp.float32, True)
     walk = lambda sizes: chunk_h_pallas(
-        k_p, operands["w"], operands["u"], gamma, runs_p, h0, chunk_size=sub, num_householder=1,
-        subchunks=subchunks, every_chunk_too=True, key_scale=key_scale,
-        inverse=operands.get("inverse"), beta=operands.get("beta"), interpret=True,
-        block_sizes=sizes)
-    if not inverse:
-        with pytest.raises(ValueError, match=r"transposed=True\) needs inverse and beta"):
-            walk(dataclasses.replace(default, block_v=16, transposed=True))
-        return
+        k_p, None, v_p, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
+        subchunks=subchunks, every_chunk_too=True, key_scale=key_scale, inverse=t, beta=beta_p,
+        interpret=True, block_sizes=sizes)
     want = walk(dataclasses.replace(default, block_v=16))
     got = walk(dataclasses.replace(default, block_v=16, transposed=True))
     assert_all_close(dict(zip(("h", "v_new", "final_state", "h_every"), got)),
                      dict(zip(("h", "v_new", "final_state", "h_every"), want)), 1e-6)
+
+
+def test_walk_transposed_needs_inverse():
+    """The state carried transposed is the walk applying T's form only: given w and u, the walk
+    refuses it rather than run a form that was slower there and was removed."""
+    from gdp_jax.ops.chunk_h.pallas_fwd import BlockSizes
+    k = jnp.zeros((1, 64, 2, 32), jnp.float32)
+    u = jnp.zeros((1, 64, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"transposed=True\) needs inverse and beta"):
+        chunk_h_pallas(k, k, u, None, None, None, chunk_size=16, num_householder=1, subchunks=2,
+                       interpret=True, block_sizes=BlockSizes(block_v=16, transposed=True))
 
 
 def test_differentiable_forward_walk_applying_inverse_one_sub_chunk_a_step(monkeypatch):

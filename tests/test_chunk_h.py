@@ -250,8 +250,8 @@ def test_walk_transposed_state():
 
 
 def test_walk_transposed_needs_inverse():
-    """The state carried transposed is the walk applying T's form only: given w and u, the walk
-    refuses it rather than run a form that was slower there and was removed."""
+    """The state carried transposed is a form of the walk applying T only: given w and u, the
+    walk raises a ValueError naming what it needs."""
     from gdp_jax.ops.chunk_h.pallas_fwd import BlockSizes
     k = jnp.zeros((1, 64, 2, 32), jnp.float32)
     u = jnp.zeros((1, 64, 2, 16), jnp.float32)

@@ -379,6 +379,7 @@ FULL_OP_CASES = [
     # TF32 route), ungated ones the queries' inside the one-kernel Mosaic backward; K = 256 and
     # float32 take the normalisation's own backward kernel for both.
     (Case(1000, 128, 128, 2, 64, dtype="bfloat16", heads=4), True),
+    (Case(1000, 64, 64, 2, 64, dtype="bfloat16", heads=4), True),   # K = 64: k·dk off one dk tile
     (Case(700, 64, 64, 2, 64, dtype="float16", gated=False, heads=3), True),
     (Case(517, 256, 256, 2, 64, dtype="bfloat16", heads=2), True),
     (Case(333, 64, 32, 3, 64, heads=3), True),

@@ -132,8 +132,10 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
         return m + dot(cot, keys * scale_w[:, None], trans_b=True)
 
     normalized = key_factor_ref is not None
-    one_key_block = k_ref.shape[-1] <= block_cols
-    if normalized and not one_key_block:
+    # several key blocks: the row sums k·dk come from this pass and the gram (one block: off the
+    # dk tile in step 4)
+    sums_from_gram = normalized and k_ref.shape[-1] > block_cols
+    if sums_from_gram:
         # l2norm's VJP needs the row sums k_j·dk_j before the first dk block is written, so they
         # come from this pass: the gram G = K K^T (k·P1 and k·P2 are sums of F ∘ G, step 3),
         # k·dRw (directly, or as colsum(T ∘ dW K^T)) and k·(each share).
@@ -175,7 +177,7 @@ def _wy_bwd_kernel(k_ref, v_ref, beta_ref, gamma_ref, runs_ref, inverse_ref, dw_
     # (+ the other shares); with walk_share_gates also k·(the first share).
     gates_of_share = walk_share_gates and has_g
 
-    if normalized and not one_key_block:   # dk_raw = r (dk - k (k·dk)), the row sums from steps 2-3
+    if sums_from_gram:   # dk_raw = r (dk - k (k·dk)), the row sums from steps 2-3
         weighted = f * gram
         k_dot_p1 = jnp.sum(weighted, axis=1)                   # k_j·P1_j = sum_i F_ji G_ji
         k_dot_p2 = jnp.sum(weighted * beta[:, None], axis=0)   # k_i·P2_i = sum_j F_ji beta_j G_ji

@@ -161,9 +161,11 @@ def test_walk_against_recurrence(case, dot_dtype, block_v):
     assert_close(final_state, p.ref["final_state"], tol, "final_state")
 
 
-def test_walk_every_chunk_too_and_subchunks():
+@pytest.mark.parametrize("subchunks", [1, 2])
+def test_walk_every_chunk_too_and_subchunks(subchunks):
     """every_chunk_too (the full op's forward rule): the state before every chunk as a fourth
-    result, beside h before every ``subchunks``-th one; both are the plain walk's h, the same bits."""
+    result, beside h before every ``subchunks``-th one; both are the plain walk's h, the same bits
+    (with one sub-chunk a token chunk, h itself, stored once)."""
     p = build(Case(64, 32, 16, 2, 16))
     kw = dict(chunk_size=16, num_householder=2, interpret=True)
     w, u = jax.jit(functools.partial(wy_xla, chunk_size=16, num_householder=2))(
@@ -171,9 +173,14 @@ def test_walk_every_chunk_too_and_subchunks():
     walk = lambda **extra: jax.jit(functools.partial(chunk_h_pallas, **kw, **extra))(
         p.k, w, u, p.g, p.runs, p.initial_state)
     h_plain, v_new_plain, final_plain = walk()
-    h, v_new, final_state, h_every = walk(subchunks=2, every_chunk_too=True)
+    h, v_new, final_state, h_every = walk(subchunks=subchunks, every_chunk_too=True)
     chex.assert_trees_all_equal((h_every, h, v_new, final_state),
-                                (h_plain, h_plain[:, ::2], v_new_plain, final_plain))
+                                (h_plain, h_plain[:, ::subchunks], v_new_plain, final_plain))
+    jaxpr = jax.make_jaxpr(functools.partial(chunk_h_pallas, **kw, subchunks=subchunks,
+                                             every_chunk_too=True))(
+        p.k, w, u, p.g, p.runs, p.initial_state)
+    (kernel,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert len(kernel.outvars) == (3 if subchunks == 1 else 4)     # h, v_new, final[, h_every]
     assert_close(h_every, p.ref["h"], tolerance("float32"), "h")
 
 

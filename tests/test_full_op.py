@@ -305,6 +305,9 @@ GRAD_CASES = {
     # use_qk_l2norm with bfloat16: the keys' VJP inside the WY VJP kernel on its 16-bit route
     # (T^T dw from the reverse walk, bf16 operands); K != V, M = 3.
     "bf16-l2norm-M3": (Case(37, 32, 16, 3, 16, dtype="bfloat16"), True, ["interpret"]),
+    # M = 1: one sub-chunk a token chunk, where the walk's h is also the backward's state before
+    # every sub-chunk (stored once).
+    "M1-l2norm": (Case(45, 32, 16, 1, 16), True, ["interpret"]),
 }
 GRAD_PARAMS = [(name, impl) for name, (_, _, impls) in GRAD_CASES.items() for impl in impls]
 

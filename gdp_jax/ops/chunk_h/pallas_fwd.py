@@ -327,13 +327,15 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     states_spec = lambda count: pl.BlockSpec((None, count, None, kp, block_v),
                                              lambda vb, hd, b: (b, 0, hd, 0, vb))
     stored = num_chunks // subchunks
+    # With one sub-chunk a token chunk, the state before every chunk is h itself: stored once.
+    store_every = every_chunk_too and subchunks > 1
     out_shape = (jax.ShapeDtypeStruct((batch, stored, heads, kp, vp), h_dtype),
                  jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), v_new_dtype),
                  jax.ShapeDtypeStruct((batch, heads, kp, vp), f32),
                  jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), h_dtype)
-                 if every_chunk_too else None)
+                 if store_every else None)
     out_specs = (states_spec(stored), value_stream, one_state,
-                 states_spec(num_chunks) if every_chunk_too else None)
+                 states_spec(num_chunks) if store_every else None)
     kernel = functools.partial(
         _chunk_h_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
         subchunks=subchunks, chunks_per_step=chunks_per_step, dot_dtype=jnp.dtype(dot_dtype),
@@ -344,4 +346,6 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
         num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)
     v_new = v_new.reshape(batch, t_pad * m, heads, vp)[:, :positions, :, :value_dim]
     results = (h[..., :key_dim, :value_dim], v_new, final_state[..., :key_dim, :value_dim])
-    return results + (h_every[..., :key_dim, :value_dim],) if every_chunk_too else results
+    if not every_chunk_too:
+        return results
+    return results + ((h_every if store_every else h)[..., :key_dim, :value_dim],)

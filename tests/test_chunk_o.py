@@ -8,6 +8,7 @@ import functools
 
 import chex
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -316,3 +317,45 @@ def test_pallas_runs_the_jnp_path_where_the_kernels_do_not_fit(case):
     (_, o_xla), grads_xla = value_and_grads("xla")
     assert_close(o, p.ref["o"], tolerance(case.dtype))
     chex.assert_trees_all_equal((o, grads), (o_xla, grads_xla))
+
+
+def _kernel_operand_sources(jaxpr, sources):
+    """For every kernel call in ``jaxpr`` (pallas_call, or mpmd_map as ``plgpu.kernel`` traces),
+    nested calls followed: the set of labels (``sources``: top-level variable -> label) of the
+    operands that are those variables as given. An operand made by any other equation (a
+    reshape, pad or copy of an input) carries no label."""
+    found = []
+    for eqn in jaxpr.eqns:
+        args = [sources.get(v) if isinstance(v, jex_core.Var) else None for v in eqn.invars]
+        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+            found.append({a for a in args if a is not None})
+            continue
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if isinstance(inner, jex_core.Jaxpr) and len(inner.invars) == len(args):
+                found += _kernel_operand_sources(
+                    inner, {v: a for v, a in zip(inner.invars, args) if a is not None})
+    return found
+
+
+@pytest.mark.parametrize("implementation", ["interpret", "pallas", "mosaic", "mosaic_interpret"])
+def test_kernels_read_h_as_given(implementation):
+    """The forward and backward kernels take the caller's h itself as an operand: no reshape or
+    copy of it first. Outside jit each would be a copy of the whole state array (8.6 GB on a
+    row of 2^20 tokens at H16 K = V = 128, enough to run that GPU test out of memory). Traced
+    only, so the compiled kernels' wrappers are checked on a CPU too."""
+    p = build(Case(130, 64, 64, 2, 64, dtype="bfloat16", segments=False))
+    q, k, v, h, g = p.chunk_o_args()
+    h = h.astype(q.dtype)                 # the Mosaic kernels take h in q's 16-bit dtype
+    assert dispatch.chunk_o_implementation(implementation, q.dtype, 64, 64, 64, h.dtype) \
+        == implementation
+
+    def fwd_and_bwd(q, k, v, h, g):
+        f = functools.partial(gdp_jax.chunk_gdp_fwd_o, implementation=implementation)
+        o, vjp = jax.vjp(f, q, k, v, h, g)
+        return o, vjp(o)
+
+    jaxpr = jax.make_jaxpr(fwd_and_bwd)(q, k, v, h, g).jaxpr
+    calls = _kernel_operand_sources(jaxpr, {jaxpr.invars[3]: "h"})
+    assert len(calls) >= 2, calls                      # the forward and the backward kernels
+    assert any("h" in c for c in calls[:1]) and any("h" in c for c in calls[1:]), calls

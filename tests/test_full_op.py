@@ -339,20 +339,51 @@ def check_gradients(p, op, qk_l2norm: bool):
     assert_all_close(grads, {n: expected[n] for n in names}, tolerance(dtype))
 
 
-def kernel_names(jaxpr) -> list:
-    """The names of the pallas_call kernels in a jaxpr, sub-jaxprs included."""
-    names = []
+def kernel_eqns(jaxpr) -> list:
+    """The pallas_call equations of a jaxpr, sub-jaxprs included."""
+    found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
-            name = eqn.params.get("name_and_src_info", eqn.params.get("name"))
-            names.append(getattr(name, "name", name))
+            found.append(eqn)
             continue
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 sub = getattr(sub, "jaxpr", sub)
                 if hasattr(sub, "eqns"):
-                    names += kernel_names(sub)
-    return names
+                    found += kernel_eqns(sub)
+    return found
+
+
+def kernel_name(eqn) -> str:
+    name = eqn.params.get("name_and_src_info", eqn.params.get("name"))
+    return getattr(name, "name", name)
+
+
+def kernel_names(jaxpr) -> list:
+    """The names of the pallas_call kernels in a jaxpr, sub-jaxprs included."""
+    return [kernel_name(eqn) for eqn in kernel_eqns(jaxpr)]
+
+
+@pytest.mark.parametrize("m,l2norm", [(2, False), (3, True)])
+def test_states_stored_once_under_differentiation(m, l2norm):
+    """Differentiated, the walk stores the state before every sub-chunk and nothing else of h:
+    chunk_o reads the token chunks' states out of it (forward and backward). Undifferentiated it
+    stores h at token chunks alone. Gradients: the other tests of this file."""
+    case = Case(40, 32, 16, m, 16)
+    p = build(case, qk_l2norm=l2norm)
+    op = functools.partial(gdp_jax.chunk_gated_delta_product, use_qk_l2norm=l2norm,
+                           chunk_size=16, implementation="interpret")
+    args = p.full_args()
+    loss = lambda q: jnp.sum(op(q, *args[1:])[0])
+
+    def walk_states(jaxpr):
+        (walk,) = [e for e in kernel_eqns(jaxpr) if kernel_name(e) == "gdp_chunk_h_fwd"]
+        return [v.aval.shape[1] for v in walk.outvars if len(v.aval.shape) == 5
+                and v.aval.shape[-2:] == (32, 16)]      # [B, states, H, K, V] outputs
+
+    token_chunks, sub_chunks = 3, 3 * m     # T = 40 at chunk 16; 16-position sub-chunks
+    assert walk_states(jax.make_jaxpr(jax.grad(loss))(p.q).jaxpr) == [sub_chunks]
+    assert walk_states(jax.make_jaxpr(loss)(p.q).jaxpr) == [token_chunks]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -64,6 +64,19 @@ def pad_state(x: jax.Array, key_width: int, value_width: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra[0]), (0, extra[1])]) if any(extra) else x
 
 
+def chunk_state_index(h_ndim: int, batch, chunk, head) -> tuple:
+    """The leading index of one chunk's state where the chunk_o kernels read h: h [B, NT, H, K, V]
+    as given, or the [B, NT, S, H, K, V] view of the states before every sub-chunk (S a chunk,
+    the first the chunk's own: index 0 of S). Both are read in place; h is never reshaped into
+    the other form, which would copy it outside jit."""
+    return (batch, chunk, head) if h_ndim == 5 else (batch, chunk, 0, head)
+
+
+def compact_state_shape(h: jax.Array) -> tuple:
+    """(B, NT, H, K, V) of h [B, NT, H, K, V] or its [B, NT, S, H, K, V] view: the shape of dh."""
+    return h.shape[:2] + h.shape[-3:]
+
+
 def stream_layout(x: jax.Array, padded_width: int, pad_tokens: int, num_householder: int) -> jax.Array:
     """[B, T*M, H, X] -> [B, T + pad_tokens, M, H, padded_width]: zero rows past T and zero columns
     past X, in x's dtype (a free reshape after the pad; the walk kernels upcast what they load)."""

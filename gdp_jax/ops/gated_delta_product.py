@@ -12,7 +12,10 @@ also keeps the state before every sub-chunk and the WY stage's inverses; its bac
 walk's VJP kernels (``chunk_h.pallas_bwd``), then the WY stage's VJP (``wy.pallas_bwd``, from the
 forward's inverses, or ``wy.xla.wy_bwd_xla`` for compiled float32 inputs), then the VJP of the
 expanded decays in jnp.
-Both grids give SPEC's h, v_new and final state. Stage 4 runs under chunk_o's own custom_vjp.
+Both grids give SPEC's h, v_new and final state. Stage 4 runs under chunk_o's own custom_vjp;
+where stages 2-4 all run kernels, one more custom_vjp holds the two (``_states_and_o``), so that
+the differentiable forward stores the state before every sub-chunk once and chunk_o reads the
+token chunks' states out of it.
 use_qk_l2norm normalises q and k first (``ops.l2norm``), or, where a backward kernel applies the
 normalisation's VJP (k's in the WY VJP kernel, q's in chunk_o's one-kernel Mosaic GPU backward),
 inside the stages' custom_vjps, except in the undifferentiated forward on the Triton kernels,
@@ -34,7 +37,8 @@ from gdp_jax._src.segments import segment_runs
 from gdp_jax.ops.chunk_h.pallas_bwd import chunk_h_bwd_pallas
 from gdp_jax.ops.chunk_h.pallas_fwd import chunk_h_pallas
 from gdp_jax.ops.chunk_h.xla import chunk_h_xla
-from gdp_jax.ops.chunk_o import chunk_o, chunk_o_scaled_forward
+from gdp_jax.ops.chunk_o import STAGE_RULES as CHUNK_O_RULES
+from gdp_jax.ops.chunk_o import chunk_o, chunk_o_scaled_forward, stage_config
 from gdp_jax.ops.cumsum import chunk_local_log2_cumsum, expanded_log2_decays, sub_chunk_size
 from gdp_jax.ops.l2norm import l2norm, l2norm_and_factor
 from gdp_jax.ops.wy.pallas_bwd import wy_bwd_pallas
@@ -126,8 +130,18 @@ class _OpConfig(NamedTuple):
 
 
 def _composed(q, k, v, g, beta, runs, initial_state, config: _OpConfig, use_qk_l2norm: bool):
-    """The op's stages in turn, each differentiable on its own: (o, final_state)."""
+    """The op's stages in turn, each differentiable on its own, or, where the states and the
+    output stage both run kernels, one custom_vjp over both (``_states_and_o``): (o, final_state)."""
     implementation, chunk_size, m = config.implementation, config.chunk_size, config.num_householder
+    fused = _states_and_o_configs(q, k, v, g, config, use_qk_l2norm)
+    if fused is not None:
+        (states_config, o_config), implementation = fused, config.implementation
+        if use_qk_l2norm and not states_config[3]:
+            k = l2norm(k, implementation)
+        if use_qk_l2norm and not o_config.normalize_queries:
+            q = l2norm(q, implementation)
+        g32 = None if g is None else g.astype(jnp.float32)
+        return _states_and_o(q, k, v, g32, beta, runs, initial_state, (states_config, o_config))
     h, v_new, final_state, k = chunk_states(k, v, beta, g, runs, initial_state,
                                             chunk_size=chunk_size, num_householder=m,
                                             implementation=implementation,
@@ -139,6 +153,64 @@ def _composed(q, k, v, g, beta, runs, initial_state, config: _OpConfig, use_qk_l
                 chunk_size=chunk_size, num_householder=m, implementation=implementation,
                 normalize_queries=use_qk_l2norm)
     return o, final_state
+
+
+def _states_and_o_configs(q, k, v, g, config: _OpConfig, use_qk_l2norm: bool):
+    """(the states' config, chunk_o's config) where both stages run kernels forward and backward,
+    so that one custom_vjp holds both and chunk_o reads h out of the states before every sub-chunk
+    (stored once); else None."""
+    key_dim, value_dim = k.shape[-1], v.shape[-1]
+    states = dispatch.states_implementation(config.implementation, k.dtype, key_dim, value_dim)
+    if states == "xla":
+        return None
+    interpret = states == "interpret"
+    in_wy_kernel = use_qk_l2norm and dispatch.keys_l2norm_vjp_in_wy_kernel(
+        states, k.dtype, interpret, key_dim)
+    o_config = stage_config(q, v, dispatch.work_dtype(k.dtype), g is not None, scale=config.scale,
+                            chunk_size=config.chunk_size, num_householder=config.num_householder,
+                            implementation=config.implementation,
+                            normalize_queries=use_qk_l2norm)
+    if "xla" in (o_config.implementation, o_config.backward_implementation):
+        return None
+    return (config.chunk_size, config.num_householder, interpret, in_wy_kernel), o_config
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _states_and_o(q, k, v, g, beta, runs, initial_state, configs):
+    """Stages 1-4 on kernels (g float32 or None): (o, final_state). Undifferentiated, the
+    stages' own primals. Differentiated, the walk stores the state before every sub-chunk once
+    and chunk_o reads the token chunks' states out of it (``sub_chunk_view``), where the two
+    custom_vjps apart would have it stored twice; the backward is chunk_o's, then the states'."""
+    states_config, o_config = configs
+    h, v_new, final_state, k = _states(k, v, beta, g, runs, initial_state, states_config)
+    g_log2 = None if g is None else chunk_local_log2_cumsum(g, states_config[0])
+    o = CHUNK_O_RULES[0](q, k, v_new.astype(v.dtype), h, g_log2, runs, o_config)
+    return o, final_state
+
+
+def _states_and_o_fwd(q, k, v, g, beta, runs, initial_state, configs):
+    states_config, o_config = configs
+    (h, v_new, final_state, k), states_residuals = _states_fwd(
+        k, v, beta, g, runs, initial_state, states_config, sub_chunk_view=True)
+    g_log2 = None if g is None else chunk_local_log2_cumsum(g, states_config[0])
+    o, o_residuals = CHUNK_O_RULES[1](q, k, v_new.astype(v.dtype), h, g_log2, runs, o_config)
+    return (o, final_state), (states_residuals, o_residuals, g)
+
+
+def _states_and_o_bwd(configs, residuals, cotangents):
+    states_config, o_config = configs
+    states_residuals, o_residuals, g = residuals
+    do, dfinal = cotangents
+    dq, dk_o, dv_new, dh, dg_log2, _ = CHUNK_O_RULES[2](o_config, o_residuals, do)
+    dk, dv, dbeta, dg, _, dinit = _states_bwd(states_config, states_residuals,
+                                              (dh, dv_new, dfinal, dk_o))
+    if g is not None:
+        _, cumsum_vjp = jax.vjp(lambda g: chunk_local_log2_cumsum(g, states_config[0]), g)
+        dg = dg + cumsum_vjp(dg_log2.astype(g.dtype))[0]
+    return dq, dk, dv, dg, dbeta, None, dinit
+
+
+_states_and_o.defvjp(_states_and_o_fwd, _states_and_o_bwd)
 
 
 def _l2norm_fused(config: _OpConfig, q, value_dim: int) -> bool:
@@ -282,7 +354,8 @@ def stage_dtypes(dtype) -> StageDtypes:
 
 
 def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_householder: int,
-                  interpret: bool, every_sub_chunk: bool = False, normalize_keys: bool = False):
+                  interpret: bool, every_sub_chunk: bool = False, normalize_keys: bool = False,
+                  sub_chunk_view: bool = False):
     """Stages 1-3 on the sub-chunk grid with the Pallas kernels (forward only; the op wraps it in
     a custom_vjp): (h, v_new, final_state).
 
@@ -303,6 +376,10 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
     stage's inverses [B, P_pad, H, sub] (float32, or the WY VJP's 16-bit operand dtype; None
     where the backward does not use them) and, on the padded sub-chunk grid, the state before
     every sub-chunk h_sub [B, NS, H, Kp, Vp] and v_new_p [B, P_pad, H, Vp].
+
+    ``sub_chunk_view`` (with ``every_sub_chunk``): h is not stored apart; it comes as the
+    [B, NT, S, H, Kp, Vp] view of h_sub (S sub-chunks a token chunk, the first the chunk's own
+    state), which the chunk_o kernels read (``layout.chunk_state_index``).
 
     ``normalize_keys`` (use_qk_l2norm, the undifferentiated forward only): the WY kernel
     solves for k L2-normalised per position and returns the factors, which the walk applies;
@@ -351,9 +428,14 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
         k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
         subchunks=chunk_size * m // sub, h_dtype=work_dtype, v_new_dtype=v.dtype,
         dot_dtype=work_dtype, interpret=interpret, every_chunk_too=every_sub_chunk,
-        key_scale=key_scale, **walk_inverse)
-    outputs = (h[..., :key_dim, :value_dim], v_new[:, :positions, :, :value_dim],
-               final_state[..., :key_dim, :value_dim])
+        key_scale=key_scale, boundary_states=not sub_chunk_view, **walk_inverse)
+    if sub_chunk_view:
+        batch, sub_chunks, heads, kp, vp = h_sub[0].shape
+        subchunks = chunk_size * m // sub
+        h = h_sub[0].reshape(batch, sub_chunks // subchunks, subchunks, heads, kp, vp)
+    else:
+        h = h[..., :key_dim, :value_dim]
+    outputs = (h, v_new[:, :positions, :, :value_dim], final_state[..., :key_dim, :value_dim])
     if every_sub_chunk:
         return outputs + ((w, inverse[0] if inverse else None, h_sub[0], v_new),)
     if normalize_keys:
@@ -380,12 +462,12 @@ def _states(k, v, beta, g, runs, initial_state, config):
                          num_householder=m, interpret=interpret) + (k,)
 
 
-def _states_fwd(k, v, beta, g, runs, initial_state, config):
+def _states_fwd(k, v, beta, g, runs, initial_state, config, sub_chunk_view: bool = False):
     chunk_size, m, interpret, normalize = config
     k, factor = _normalized_keys(k, normalize, interpret)
     h, v_new, final_state, saved = states_pallas(
         k, v, beta, g, runs, initial_state, chunk_size=chunk_size, num_householder=m,
-        interpret=interpret, every_sub_chunk=True)
+        interpret=interpret, every_sub_chunk=True, sub_chunk_view=sub_chunk_view)
     return (h, v_new, final_state, k), (k, v, beta, g, runs, initial_state, saved, factor)
 
 

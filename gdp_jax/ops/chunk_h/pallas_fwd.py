@@ -132,7 +132,7 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
     """With ``beta_ref`` (``chunk_h_pallas``'s ``inverse``) w_ref holds T and u_ref v: v_new is
     T (beta (v - live 2^gamma s (k h))), live, gamma and the key factors s per row as the WY
     kernel's w."""
-    key_dim, block_v = h_ref.shape[-2], h_ref.shape[-1]
+    key_dim, block_v = final_ref.shape[-2], final_ref.shape[-1]
     has_g, has_segments = g_ref is not None, runs_ref is not None
     if h0_ref is not None:
         state = h0_ref[...].astype(jnp.float32)
@@ -157,9 +157,11 @@ def _chunk_h_kernel(k_ref, w_ref, u_ref, g_ref, runs_ref, h0_ref, key_scale_ref,
             run_before = runs_ref[jnp.maximum(first - 1, 0)]
             reset = (c > 0) & (run_first != run_before)
             state = jnp.where(reset, 0.0, state)
-        if h_index is not None and store_h is None:
+        if h_ref is None or h_index is None:
+            pass                                        # h not stored apart, or not this step
+        elif store_h is None:
             h_ref[h_index] = as_h(state).astype(h_ref.dtype)
-        elif h_index is not None:
+        else:
             @pl.when(store_h)
             def _():
                 h_ref[h_index] = as_h(state).astype(h_ref.dtype)
@@ -249,7 +251,7 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
                    dot_dtype=jnp.float32, every_chunk_too: bool = False,
                    key_scale: Optional[jax.Array] = None, inverse: Optional[jax.Array] = None,
                    beta: Optional[jax.Array] = None, interpret: bool = False,
-                   block_sizes: Optional[BlockSizes] = None):
+                   block_sizes: Optional[BlockSizes] = None, boundary_states: bool = True):
     """(h [B, NT, H, K, V] in ``h_dtype``, v_new [B, T*M, H, V] in ``v_new_dtype``, final_state
     [B, H, K, V] float32); both dtypes default to float32.
 
@@ -266,7 +268,9 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     final state. The state is carried in float32; ``dot_dtype`` is what the two dots' operands (w
     and the state; k and the decayed v_new) are rounded to, with float32 accumulation.
     ``every_chunk_too`` also returns the state before every chunk, [B, num_chunks, H, K, V] in
-    ``h_dtype``, as a fourth result (the full op's backward keeps it). ``key_scale`` [B, T*M, H]
+    ``h_dtype``, as a fourth result (the full op's backward keeps it); with ``boundary_states``
+    False, h is not stored apart and comes back as None (its states are every ``subchunks``-th
+    of the fourth result). ``key_scale`` [B, T*M, H]
     float32, or None: factors the keys are multiplied by as they enter the state (use_qk_l2norm's
     normalisation of raw keys; w is taken as given).
 
@@ -329,12 +333,13 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
     stored = num_chunks // subchunks
     # With one sub-chunk a token chunk, the state before every chunk is h itself: stored once.
     store_every = every_chunk_too and subchunks > 1
-    out_shape = (jax.ShapeDtypeStruct((batch, stored, heads, kp, vp), h_dtype),
+    store_h = boundary_states or not store_every
+    out_shape = (jax.ShapeDtypeStruct((batch, stored, heads, kp, vp), h_dtype) if store_h else None,
                  jax.ShapeDtypeStruct((batch, t_pad, m, heads, vp), v_new_dtype),
                  jax.ShapeDtypeStruct((batch, heads, kp, vp), f32),
                  jax.ShapeDtypeStruct((batch, num_chunks, heads, kp, vp), h_dtype)
                  if store_every else None)
-    out_specs = (states_spec(stored), value_stream, one_state,
+    out_specs = (states_spec(stored) if store_h else None, value_stream, one_state,
                  states_spec(num_chunks) if store_every else None)
     kernel = functools.partial(
         _chunk_h_kernel, num_householder=m, chunk_size=chunk_size, num_chunks=num_chunks,
@@ -345,7 +350,8 @@ def chunk_h_pallas(k, w, u, g, runs, initial_state, *, chunk_size: int, num_hous
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)
     v_new = v_new.reshape(batch, t_pad * m, heads, vp)[:, :positions, :, :value_dim]
-    results = (h[..., :key_dim, :value_dim], v_new, final_state[..., :key_dim, :value_dim])
+    results = (None if h is None else h[..., :key_dim, :value_dim], v_new,
+               final_state[..., :key_dim, :value_dim])
     if not every_chunk_too:
         return results
     return results + ((h_every if store_every else h)[..., :key_dim, :value_dim],)

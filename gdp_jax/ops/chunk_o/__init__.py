@@ -101,18 +101,29 @@ def chunk_o(q, k, v, h, g, runs, *, scale: float, chunk_size: int, num_household
     (``ops.l2norm``'s formula). Where ``dispatch.queries_l2norm_vjp_in_chunk_o_kernel`` says so,
     the normalisation is part of the custom_vjp and its VJP runs in the backward kernel; elsewhere
     it is ``ops.l2norm``, a step of its own."""
-    forward = dispatch.chunk_o_implementation(implementation, q.dtype, q.shape[-1], v.shape[-1],
-                                              chunk_size, h.dtype)
-    backward = dispatch.chunk_o_backward_implementation(forward, q.dtype, q.shape[-1],
-                                                        v.shape[-1], chunk_size, h.dtype)
-    in_kernel = normalize_queries and dispatch.queries_l2norm_vjp_in_chunk_o_kernel(
-        backward, q.shape[-1], v.shape[-1], gated=g is not None)
-    if normalize_queries and not in_kernel:
+    config = stage_config(q, v, h.dtype, g is not None, scale=scale, chunk_size=chunk_size,
+                          num_householder=num_householder, implementation=implementation,
+                          normalize_queries=normalize_queries)
+    if normalize_queries and not config.normalize_queries:
         q = l2norm(q, implementation)
-    config = _Config(scale=scale, chunk_size=chunk_size, num_householder=num_householder,
-                     implementation=forward, backward_implementation=backward,
-                     normalize_queries=in_kernel)
     return _chunk_o(q, k, v, h, g, runs, config)
+
+
+def stage_config(q, v, h_dtype, gated: bool, *, scale: float, chunk_size: int,
+                 num_householder: int, implementation: str, normalize_queries: bool = False):
+    """The stage's static choices as ``chunk_o`` makes them (the forward's and the backward's
+    implementations, and whether q's normalisation is inside the custom_vjp): a hashable config
+    for ``STAGE_RULES``. Where normalize_queries is given and the config's is False, the
+    caller normalises q first."""
+    forward = dispatch.chunk_o_implementation(implementation, q.dtype, q.shape[-1], v.shape[-1],
+                                              chunk_size, h_dtype)
+    backward = dispatch.chunk_o_backward_implementation(forward, q.dtype, q.shape[-1],
+                                                        v.shape[-1], chunk_size, h_dtype)
+    in_kernel = normalize_queries and dispatch.queries_l2norm_vjp_in_chunk_o_kernel(
+        backward, q.shape[-1], v.shape[-1], gated=gated)
+    return _Config(scale=scale, chunk_size=chunk_size, num_householder=num_householder,
+                   implementation=forward, backward_implementation=backward,
+                   normalize_queries=in_kernel)
 
 
 def chunk_o_scaled_forward(q, k, v, h, g, runs, q_scale, k_scale, *, scale: float,
@@ -230,3 +241,9 @@ def _chunk_o_bwd(config, residuals, do):
 
 
 _chunk_o.defvjp(_chunk_o_fwd, _chunk_o_bwd)
+
+# For a custom_vjp that contains the stage (the full op's, where the chunk_o kernels read h out of
+# the states before every sub-chunk): (primal, forward rule, backward rule), each taking
+# (q, k, v, h, g, runs, config) as ``_chunk_o`` does. With h as a [B, NT, S, H, K, V] view
+# (``layout.chunk_state_index``) the backward rule's dh is [B, NT, H, K, V].
+STAGE_RULES = (_chunk_o, _chunk_o_fwd, _chunk_o_bwd)

@@ -51,6 +51,7 @@ from gdp_jax._src import mosaic as mg
 from gdp_jax._src.dispatch import MOSAIC_BWD_ONE_KERNEL_WIDTH as ONE_KERNEL_WIDTH
 from gdp_jax._src.dispatch import MOSAIC_CHUNK_SIZE as CHUNK_SIZE
 from gdp_jax._src.dispatch import MOSAIC_TILE as TILE
+from gdp_jax._src.layout import chunk_state_index, compact_state_shape
 from gdp_jax._src.pallas import LN2
 from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_weights, stream_operands
 
@@ -157,7 +158,8 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     rows = pl.ds(c * bt, bt)
 
     g_copies = _copy_chunk_rows(q_g, do_g, g_g, sr_g, q_s, do_s, g_s, sr_s, in_bar, b, hd, rows)
-    plgpu.copy_gmem_to_smem(h_g.at[b, c, hd], h_s, in_bar.at[5])
+    h_at = chunk_state_index(len(h_g.shape), b, c, hd)        # h or its sub-chunk view
+    plgpu.copy_gmem_to_smem(h_g.at[h_at], h_s, in_bar.at[5])
     if has_q_factor:
         qf_s, qf_bar = q_factor_scratch
         plgpu.copy_gmem_to_smem(qf_g.at[b, hd, rows], qf_s, qf_bar.at[0])
@@ -305,7 +307,8 @@ def _state_kernel(*refs, scale: float, tokens: int, num_householder: int, heads:
 
     plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd, keys], q_s, in_bar.at[0])
     plgpu.copy_gmem_to_smem(do_g.at[b, rows, hd], do_s, in_bar.at[1])
-    plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, keys], h_s, in_bar.at[2])
+    h_at = chunk_state_index(len(h_g.shape), b, c, hd)        # h or its sub-chunk view
+    plgpu.copy_gmem_to_smem(h_g.at[h_at + (keys,)], h_s, in_bar.at[2])
     if has_g:
         plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_s, in_bar.at[3])
     if has_segments:
@@ -399,7 +402,7 @@ def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
     )
     dq, dh, dg_state = call(_state_kernel, state_scratch, (
         jax.ShapeDtypeStruct((batch, padded_tokens, heads, key_dim), dtype),
-        jax.ShapeDtypeStruct(h.shape, h.dtype),
+        jax.ShapeDtypeStruct(compact_state_shape(h), h.dtype),
         jax.ShapeDtypeStruct((key_tiles, batch, heads, padded_tokens), jnp.float32),
     ), (heads, num_chunks, batch, key_tiles), ("head", "chunk", "batch", "key"),
         q, k, h, do, da, *extras)
@@ -433,7 +436,7 @@ def _one_kernel(q, k, v, h, g, runs, do, q_factor, *, scale, tokens, m, slots, i
         jax.ShapeDtypeStruct((batch, padded_tokens, heads, key_dim), q.dtype),
         jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, key_dim), k.dtype),
         jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, value_dim), v.dtype),
-        jax.ShapeDtypeStruct(h.shape, h.dtype),
+        jax.ShapeDtypeStruct(compact_state_shape(h), h.dtype),
         jax.ShapeDtypeStruct((2, batch, heads, padded_tokens), jnp.float32),
     )
 

@@ -43,6 +43,7 @@ from gdp_jax._src import mosaic as mg
 from gdp_jax._src.dispatch import KERNEL_MAX_WIDTH as MAX_WIDTH
 from gdp_jax._src.dispatch import MOSAIC_CHUNK_SIZE as CHUNK_SIZE
 from gdp_jax._src.dispatch import MOSAIC_TILE as TILE
+from gdp_jax._src.layout import chunk_state_index
 from gdp_jax._src.segments import segment_start_rows
 
 
@@ -124,7 +125,7 @@ def chunk_weights(rows_left, g_s, g_barriers, start_row_s, starts_barrier,
 
 def stream_operands(q, k, v, h, g, runs, *value_width, num_householder: int, chunk_size: int):
     """The kernels' operands: q, k and v viewed as [B, Tp, M*H, *] (copy m of head h is "head"
-    m*H + h), h, the ``value_width`` [B, T, H, V] arrays, g as [B, H, Tp] float32 and the
+    m*H + h), h as given, the ``value_width`` [B, T, H, V] arrays, g as [B, H, Tp] float32 and the
     segment start rows [B, Tp] (those two only when given), Tp = T padded to whole chunks (a copy
     only where T is ragged)."""
     batch, tokens, heads, key_dim = q.shape
@@ -172,7 +173,8 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
                                 v_bar.at[slot])
 
     def load_h():
-        plgpu.copy_gmem_to_smem(h_g.at[b, c, hd, :, cols], h_s, in_bar.at[1])
+        h_at = chunk_state_index(len(h_g.shape), b, c, hd)     # h or its sub-chunk view
+        plgpu.copy_gmem_to_smem(h_g.at[h_at + (slice(None), cols)], h_s, in_bar.at[1])
 
     plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd], q_s, in_bar.at[0])
     for copy in range(slots):
@@ -229,7 +231,8 @@ def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
     already padded to multiples of 64.
 
     q [B, T, H, K]; k [B, T*M, H, K]; v [B, T*M, H, V] (one 16-bit dtype for q, k, v and h);
-    h [B, NT, H, K, V]; g [B, T, H] float32 or None; runs [B, T] int32 run numbers or None.
+    h [B, NT, H, K, V] or its [B, NT, S, H, K, V] view (``layout.chunk_state_index``); g [B, T, H]
+    float32 or None; runs [B, T] int32 run numbers or None.
     Ragged T is padded to whole chunks here (one copy of q, k, v); whole chunks copy nothing.
     """
     if chunk_size != CHUNK_SIZE:

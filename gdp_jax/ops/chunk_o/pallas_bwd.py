@@ -94,6 +94,7 @@ from jax.experimental import pallas as pl
 
 from gdp_jax._src.pallas import (plgpu, LN2, apply_pair_weight, chunk_weights, index, load_rows,
                                  row_validity, triton_call)
+from gdp_jax._src.layout import chunk_state_index, compact_state_shape
 from gdp_jax._src.segments import segment_start_rows
 
 
@@ -328,7 +329,8 @@ def chunk_o_bwd_pallas(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     """(dq, dk, dv, dh, dg): the VJP of ``chunk_o_fwd_pallas`` at (q, k, v, h, g) for cotangent do.
 
     Inputs as for ``chunk_o_fwd_pallas`` (validated; K and V powers of two >= 16): q [B, T, H, K];
-    k [B, T*M, H, K]; v [B, T*M, H, V] (one dtype for q, k, v); h [B, NT, H, K, V]; g [B, T, H]
+    k [B, T*M, H, K]; v [B, T*M, H, V] (one dtype for q, k, v); h [B, NT, H, K, V] or its
+    [B, NT, S, H, K, V] view (``layout.chunk_state_index``); g [B, T, H]
     float32 or None; runs [B, T] int32 segment run numbers or None; do [B, T, H, V].
 
     Returns dq [B, T, H, K], dk [B, T*M, H, K], dv [B, T*M, H, V] in the dtypes of q, k, v;
@@ -359,10 +361,12 @@ def chunk_o_bwd_pallas(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
                                      lambda hd, c, b: (b, c, 0, hd, 0))
     per_token_spec = spec((None, chunk_size, None), lambda hd, c, b: (b, c, hd))
     state_spec = spec((None, None, None, key_dim, value_dim), lambda hd, c, b: (b, c, hd, 0, 0))
+    h_spec = spec((None,) * (h.ndim - 2) + (key_dim, value_dim),
+                  lambda hd, c, b: chunk_state_index(h.ndim, b, c, hd) + (0, 0))
 
     operands = (q, k.reshape(batch, tokens, m, heads, key_dim),
                 v.reshape(batch, tokens, m, heads, value_dim), h, g, start_rows, do)
-    in_specs = (token_spec(key_dim), copies_spec(key_dim), copies_spec(value_dim), state_spec,
+    in_specs = (token_spec(key_dim), copies_spec(key_dim), copies_spec(value_dim), h_spec,
                 None if g is None else per_token_spec,
                 None if runs is None else spec((None, chunk_size), lambda hd, c, b: (b, c)),
                 token_spec(value_dim))
@@ -378,7 +382,7 @@ def chunk_o_bwd_pallas(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((batch, tokens, m, heads, key_dim), k.dtype),
                  jax.ShapeDtypeStruct((batch, tokens, m, heads, value_dim), v.dtype),
-                 jax.ShapeDtypeStruct(h.shape, h.dtype), dg_shape)
+                 jax.ShapeDtypeStruct(compact_state_shape(h), h.dtype), dg_shape)
     out_specs = (token_spec(key_dim), copies_spec(key_dim), copies_spec(value_dim), state_spec,
                  dg_spec)
     kernel = functools.partial(

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 
 from gdp_jax._src.pallas import (plgpu, apply_pair_weight, chunk_weights, index, load_rows,
                                  triton_call)
+from gdp_jax._src.layout import chunk_state_index
 from gdp_jax._src.segments import segment_start_rows
 
 
@@ -249,7 +250,8 @@ def chunk_o_fwd_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
                        block_sizes: Optional[BlockSizes] = None) -> jax.Array:
     """o [B, T, H, V] in v's dtype from validated inputs; K and V powers of two >= 16.
 
-    q [B, T, H, K]; k [B, T*M, H, K]; v [B, T*M, H, V] (one dtype for q, k, v); h [B, NT, H, K, V];
+    q [B, T, H, K]; k [B, T*M, H, K]; v [B, T*M, H, V] (one dtype for q, k, v); h [B, NT, H, K, V]
+    or its [B, NT, S, H, K, V] view (``layout.chunk_state_index``);
     g [B, T, H] float32 or None; runs [B, T] int32 segment run numbers or None.
     q_scale [B, T, H] and k_scale [B, T*M, H] float32, or None: factors q and k are taken times
     (use_qk_l2norm's normalisation of raw q, k; applied to the scores and o, not to the tiles).
@@ -289,7 +291,8 @@ def chunk_o_fwd_pallas(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
         token_spec(key_dim, value_split=False),
         tuple(token_spec(key_dim, i, value_split=False) for i in range(m)),
         tuple(token_spec(program_width, i) for i in range(m)),
-        pl.BlockSpec((None, cpp, None, key_dim, program_width), lambda vb, hd, c, b: (b, c, hd, 0, vb)),
+        pl.BlockSpec((None, cpp) + (None,) * (h.ndim - 4) + (key_dim, program_width),
+                     lambda vb, hd, c, b: chunk_state_index(h.ndim, b, c, hd) + (0, vb)),
         None if g is None else pl.BlockSpec((None, block_t, None), lambda vb, hd, c, b: (b, c, hd)),
         None if runs is None else pl.BlockSpec((None, block_t), lambda vb, hd, c, b: (b, c)),
         None if q_scale is None else per_token(0),

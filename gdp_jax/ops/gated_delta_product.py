@@ -159,20 +159,18 @@ def _states_and_o_configs(q, k, v, g, config: _OpConfig, use_qk_l2norm: bool):
     """(the states' config, chunk_o's config) where both stages run kernels forward and backward,
     so that one custom_vjp holds both and chunk_o reads h out of the states before every sub-chunk
     (stored once); else None."""
-    key_dim, value_dim = k.shape[-1], v.shape[-1]
-    states = dispatch.states_implementation(config.implementation, k.dtype, key_dim, value_dim)
+    states, states_config = _states_route(
+        k, v, chunk_size=config.chunk_size, num_householder=config.num_householder,
+        implementation=config.implementation, normalize_keys=use_qk_l2norm)
     if states == "xla":
         return None
-    interpret = states == "interpret"
-    in_wy_kernel = use_qk_l2norm and dispatch.keys_l2norm_vjp_in_wy_kernel(
-        states, k.dtype, interpret, key_dim)
     o_config = stage_config(q, v, dispatch.work_dtype(k.dtype), g is not None, scale=config.scale,
                             chunk_size=config.chunk_size, num_householder=config.num_householder,
                             implementation=config.implementation,
                             normalize_queries=use_qk_l2norm)
     if "xla" in (o_config.implementation, o_config.backward_implementation):
         return None
-    return (config.chunk_size, config.num_householder, interpret, in_wy_kernel), o_config
+    return states_config, o_config
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -279,19 +277,27 @@ def chunk_states(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_hou
     kernel; elsewhere it is ``ops.l2norm``, a step of its own.
     """
     stage = dict(chunk_size=chunk_size, num_householder=num_householder)
-    states = dispatch.states_implementation(implementation, k.dtype, k.shape[-1], v.shape[-1])
-    interpret = states == "interpret"
-    in_wy_kernel = normalize_keys and dispatch.keys_l2norm_vjp_in_wy_kernel(
-        states, k.dtype, interpret, k.shape[-1])
-    if normalize_keys and not in_wy_kernel:
+    states, config = _states_route(k, v, implementation=implementation,
+                                   normalize_keys=normalize_keys, **stage)
+    if normalize_keys and not config[3]:
         k = l2norm(k, implementation)
     if states == "xla":
         g_log2 = None if g is None else chunk_local_log2_cumsum(g.astype(jnp.float32), chunk_size)
         return states_jnp(k, v, beta, g_log2, runs, initial_state, **stage) + (k,)
     # g enters in float32, so its cotangent is rounded to g's dtype once (as on the xla path).
     g32 = None if g is None else g.astype(jnp.float32)
-    return _states(k, v, beta, g32, runs, initial_state,
-                   (chunk_size, num_householder, interpret, in_wy_kernel))
+    return _states(k, v, beta, g32, runs, initial_state, config)
+
+
+def _states_route(k, v, *, chunk_size: int, num_householder: int, implementation: str,
+                  normalize_keys: bool):
+    """(what stages 2-3 run: "xla", "pallas" or "interpret"; the config of their custom_vjp,
+    (chunk_size, M, interpret, the keys' l2norm VJP inside the WY VJP kernel))."""
+    states = dispatch.states_implementation(implementation, k.dtype, k.shape[-1], v.shape[-1])
+    interpret = states == "interpret"
+    in_wy_kernel = normalize_keys and dispatch.keys_l2norm_vjp_in_wy_kernel(
+        states, k.dtype, interpret, k.shape[-1])
+    return states, (chunk_size, num_householder, interpret, in_wy_kernel)
 
 
 def states_jnp(k, v, beta, g_log2, runs, initial_state, *, chunk_size: int, num_householder: int):
@@ -424,14 +430,14 @@ def states_pallas(k, v, beta, g, runs, initial_state, *, chunk_size: int, num_ho
         w, u = w.astype(work_dtype), u.astype(work_dtype)
     # The walk stores h at token-chunk boundaries and, for the backward, at every sub-chunk too
     # (written by the kernel rather than sliced out after).
+    subchunks = chunk_size * m // sub
     h, v_new, final_state, *h_sub = chunk_h_pallas(
         k_p, w, u, gamma, runs_p, h0, chunk_size=sub, num_householder=1,
-        subchunks=chunk_size * m // sub, h_dtype=work_dtype, v_new_dtype=v.dtype,
+        subchunks=subchunks, h_dtype=work_dtype, v_new_dtype=v.dtype,
         dot_dtype=work_dtype, interpret=interpret, every_chunk_too=every_sub_chunk,
         key_scale=key_scale, boundary_states=not sub_chunk_view, **walk_inverse)
     if sub_chunk_view:
         batch, sub_chunks, heads, kp, vp = h_sub[0].shape
-        subchunks = chunk_size * m // sub
         h = h_sub[0].reshape(batch, sub_chunks // subchunks, subchunks, heads, kp, vp)
     else:
         h = h[..., :key_dim, :value_dim]

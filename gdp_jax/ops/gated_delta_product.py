@@ -135,7 +135,7 @@ def _composed(q, k, v, g, beta, runs, initial_state, config: _OpConfig, use_qk_l
     implementation, chunk_size, m = config.implementation, config.chunk_size, config.num_householder
     fused = _states_and_o_configs(q, k, v, g, config, use_qk_l2norm)
     if fused is not None:
-        (states_config, o_config), implementation = fused, config.implementation
+        states_config, o_config = fused
         if use_qk_l2norm and not states_config[3]:
             k = l2norm(k, implementation)
         if use_qk_l2norm and not o_config.normalize_queries:

@@ -1,8 +1,8 @@
 """Pallas kernel (Mosaic GPU lowering): the backward of chunk_gdp_fwd_o.
 
 The VJP derived in ``pallas_bwd`` (same names: w the carried state's row weights, P the pair
-weights, S_m = P ⊙ q k_m^T, dpv_m = do v_m^T, dA_m = scale P ⊙ dpv_m), one program per (head,
-chunk, batch) on one warpgroup, every product a wgmma on SMEM tiles:
+weights, S_m = P ⊙ q k_m^T, dpv_m = do v_m^T, dA_m = scale P ⊙ dpv_m), one program per (batch,
+chunk, head) on one warpgroup, every product a wgmma on SMEM tiles:
 
     wdo    = scale w ⊙ do                             staged in SMEM; both state products read it
     dh     = q^T @ wdo                                 [K, V]   (q read transposed)
@@ -17,8 +17,8 @@ chunk, batch) on one warpgroup, every product a wgmma on SMEM tiles:
 Past K, V = 128 those tiles outgrow SMEM (193 KiB at K = V = 128), so wider problems run two
 kernels that split the same sums by what they read:
 
-    copies (head, chunk, batch):       per copy m: S_m, dA_m, dv_m, dk_m, the Z sums; dA_m stored
-    state  (head, chunk, batch, key tile), 64 keys kb each:
+    copies (batch, chunk, head):       per copy m: S_m, dA_m, dv_m, dk_m, the Z sums; dA_m stored
+    state  (batch, chunk, head, key tile), 64 keys kb each:
         dq1    = do @ h[kb]^T                           [BT, 64]
         dq[kb] = scale w ⊙ dq1 + sum_m dA_m @ k_m[:, kb]
         dh[kb] = (scale w ⊙ q[:, kb])^T @ do            [64, V]  (the row weights on q, not do)
@@ -30,7 +30,9 @@ kernel at K = V = 256, 128 KiB for the state kernel at V = 256, M = 3. The state
 k and dA_m (16-bit, [BT, BT] per copy) once more than the one-kernel form would. The key tile is
 the state grid's last axis, the fastest of Mosaic GPU's row-major grid: the tiles of one chunk
 run side by side, so do and dA_m come from HBM once per chunk, not once per tile (RESULTS.md,
-"The Mosaic grids' fastest axis").
+"The Mosaic grids' fastest axis"). In every grid the head comes next, so the programs in flight
+read and write whole token rows across heads (``mosaic_fwd``; RESULTS.md, "The Mosaic grids'
+head axis").
 
 Operands as in ``mosaic_fwd`` (k, v, dk, dv viewed as [B, T, M*H, *]; g as [B, H, T]).
 Supported (``dispatch.chunk_o_backward_implementation``): what the forward takes (K and V padded
@@ -388,7 +390,7 @@ def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
         jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, value_dim), v.dtype),
         jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, bt), dtype),       # dA_m
         jax.ShapeDtypeStruct((2, batch, heads, padded_tokens), jnp.float32),
-    ), (heads, num_chunks, batch), ("head", "chunk", "batch"), q, k, v, do, *extras)
+    ), (batch, num_chunks, heads), ("batch", "chunk", "head"), q, k, v, do, *extras)
 
     key_tiles = key_dim // TILE
     state_scratch = (
@@ -404,7 +406,7 @@ def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
         jax.ShapeDtypeStruct((batch, padded_tokens, heads, key_dim), dtype),
         jax.ShapeDtypeStruct(compact_state_shape(h), h.dtype),
         jax.ShapeDtypeStruct((key_tiles, batch, heads, padded_tokens), jnp.float32),
-    ), (heads, num_chunks, batch, key_tiles), ("head", "chunk", "batch", "key"),
+    ), (batch, num_chunks, heads, key_tiles), ("batch", "chunk", "head", "key"),
         q, k, h, do, da, *extras)
     dg = None
     if has_g:
@@ -441,7 +443,7 @@ def _one_kernel(q, k, v, h, g, runs, do, q_factor, *, scale, tokens, m, slots, i
     )
 
     call = mg.kernel(_kernel, out_type=out_type, scratch_types=scratch,
-                     grid=(heads, num_chunks, batch), grid_names=("head", "chunk", "batch"),
+                     grid=(batch, num_chunks, heads), grid_names=("batch", "chunk", "head"),
                      interpret=interpret, scale=scale, tokens=tokens, num_householder=m,
                      heads=heads, has_g=g is not None, has_segments=runs is not None,
                      has_q_factor=q_factor is not None, slots=slots)

@@ -256,6 +256,31 @@ def test_backward_routing_reaches_the_kernel():
     assert rule("xla", bf16, 64, 64, 64) == "xla"
 
 
+@pytest.mark.parametrize("dtype,key_dim,value_dim,chunk_size,mosaic", [
+    ("bfloat16", 256, 256, 64, True),
+    ("float16", 192, 64, 64, True),          # K pads past 128
+    ("bfloat16", 64, 200, 64, True),         # V pads to 256
+    ("bfloat16", 128, 128, 64, False),       # level with Triton there: Triton stays
+    ("bfloat16", 100, 64, 64, False),
+    ("float32", 256, 256, 64, False),        # no 4-byte Mosaic kernel
+    ("bfloat16", 256, 256, 128, False),      # chunk 128
+    ("bfloat16", 64, 320, 64, False),        # past 256: no kernel takes it
+])
+def test_pallas_takes_the_mosaic_forward_past_128(dtype, key_dim, value_dim, chunk_size, mosaic,
+                                                  monkeypatch):
+    """"pallas" runs chunk_o's forward on Mosaic GPU where K or V pads above 128 and the Mosaic
+    kernel runs it, on jax >= 0.11; elsewhere, and where the forward takes l2norm's factors
+    (``scaled``, the Triton kernel's alone), the Triton forward or its fallback."""
+    args = (jnp.dtype(dtype), key_dim, value_dim, chunk_size)
+    monkeypatch.setattr(dispatch, "mosaic_by_default", lambda: False)
+    triton = dispatch.chunk_o_implementation("pallas", *args)
+    assert triton == ("xla" if value_dim > 256 else "pallas")
+    monkeypatch.setattr(dispatch, "mosaic_by_default", lambda: True)
+    assert dispatch.chunk_o_implementation("pallas", *args) == ("mosaic" if mosaic else triton)
+    assert dispatch.chunk_o_implementation("pallas", *args, scaled=True) == triton
+    assert dispatch.chunk_o_implementation("interpret", *args) in ("interpret", "xla")
+
+
 @pytest.mark.parametrize("dtype,h_dtype,key_dim,value_dim,chunk_size,mosaic", [
     ("bfloat16", "bfloat16", 128, 100, 64, True),
     ("float16", "float16", 64, 64, 64, True),
@@ -271,11 +296,11 @@ def test_pallas_takes_the_mosaic_backward_where_it_runs(dtype, h_dtype, key_dim,
     """"pallas" (None's choice on a GPU) runs chunk_o's backward on Mosaic GPU where that kernel
     runs (one kernel or two), on jax >= 0.11 (where it was run and timed), and the Triton
     backward elsewhere."""
-    assert dispatch.mosaic_backward_by_default() == (
+    assert dispatch.mosaic_by_default() == (
         tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11))
     args = (jnp.dtype(dtype), key_dim, value_dim, chunk_size, jnp.dtype(h_dtype))
     for by_default in (True, False):
-        monkeypatch.setattr(dispatch, "mosaic_backward_by_default", lambda: by_default)
+        monkeypatch.setattr(dispatch, "mosaic_by_default", lambda: by_default)
         want = "mosaic" if mosaic and by_default else "pallas"
         assert dispatch.chunk_o_backward_implementation("pallas", *args) == want
 

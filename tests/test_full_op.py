@@ -19,6 +19,7 @@ import gdp_jax
 from gdp_jax import reference
 from gdp_jax._src import dispatch
 from gdp_jax.ops import cumsum
+from gdp_jax.ops import gated_delta_product as gdp_op
 from gdp_jax.ops.gated_delta_product import states_jnp, states_pallas
 from cases import (GRAD_NAMES, Case, assert_all_close, assert_close, build, full_op_fn,
                    l2norm_op_of_qk, recurrence_grads, run_full_op, stress_problem, tolerance)
@@ -274,6 +275,14 @@ def test_l2norm_fused_rule(monkeypatch):
     assert not fused("pallas", "pallas", 127)                   # B1 H16 V128 has 32
     assert not fused("xla", "xla", 256) and not fused("pallas", "xla", 256)
     assert not fused("pallas", "mosaic", 256)
+    # Past K = 128 "pallas" runs chunk_o's forward on Mosaic GPU (jax >= 0.11), but the fused
+    # forward takes the Triton kernel, the one that applies the factors: the fusion stays.
+    monkeypatch.setattr(dispatch, "mosaic_by_default", lambda: True)
+    q = jax.ShapeDtypeStruct((2, 128, 16, 256), jnp.bfloat16)        # 2 * 16 * 4 walk programs
+    assert dispatch.chunk_o_implementation("pallas", q.dtype, 256, 256, 64) == "mosaic"
+    config = gdp_op._OpConfig(scale=1.0, chunk_size=64, num_householder=2, implementation="pallas")
+    assert gdp_op._l2norm_fused(config, q, 256)
+    assert not gdp_op._l2norm_fused(config._replace(implementation="mosaic"), q, 256)
     p = build(Case(40, 32, 16, 2, 16), qk_l2norm=True)
     rsqrts = lambda **kw: _normalisations(jax.make_jaxpr(functools.partial(
         gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True, chunk_size=16,

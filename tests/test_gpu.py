@@ -66,9 +66,17 @@ def test_chunk_o_forward(case):
     Case(333, 128, 64, 2, 128, dtype="float32", heads=3),      # float32 at chunk 128, K = 128
     Case(333, 16, 256, 2, 64, dtype="bfloat16", heads=3),      # V = 256: two value programs
 ], ids=case_id)
-def test_chunk_o_forward_widths_and_chunks(case):
+def test_chunk_o_forward_widths_and_chunks(case, monkeypatch):
+    """Under "pallas" as routed (past K, V = 128 at 16 bits and chunk 64, the Mosaic GPU forward
+    on jax >= 0.11), then on the Triton kernel, which the full op's l2norm-fused forward and
+    older jax still run there."""
     p = build(case)
     assert_close(run_chunk_o(p, "pallas"), p.ref["o"], gpu_tol(case.dtype))
+    monkeypatch.setattr(dispatch, "mosaic_by_default", lambda: False)
+    triton = jax.jit(functools.partial(gdp_jax.chunk_gdp_fwd_o, chunk_size=case.chunk_size,
+                                       implementation="pallas"))        # a fresh trace
+    assert_close(triton(*p.chunk_o_args(), segment_ids=p.segment_ids), p.ref["o"],
+                 gpu_tol(case.dtype), "o (Triton)")
 
 
 def test_chunk_o_jit_vmap_grad():

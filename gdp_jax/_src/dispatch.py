@@ -16,6 +16,7 @@ Where a request cannot run as asked, it runs the next implementation down, never
 | "pallas", K or V padded above 256 | "xla" | every kernel was compiled (sm_90a) and run up to 256 |
 | "pallas" chunk_o, 4-byte inputs, K padded above 128, chunk 128 | "xla" (chunk_o only) | the [128, 256] f32 q and k tiles alone are 256 KiB; the forward asks 256 KiB of shared memory, the backward 288 KiB (227 KiB on an H200) |
 | "mosaic" chunk_o outside ``mosaic_supported`` (4-byte inputs, h of another dtype, chunk other than 64, K or V padded above 256) | the "pallas" rule, both directions | wgmma takes 16-bit operands in 64-row tiles; SMEM holds K, V up to 256 |
+| "pallas" chunk_o forward where the Mosaic one runs, K or V padded above 128 (jax >= 0.11), except the full op's forward with l2norm's factors in the kernels | the Mosaic GPU forward | 0.96x the Triton forward's time at B2 T16384 H16 K256 M2, both at 96-100 % of the floor; level (0.99-1.00x) at K = V = 64 and 128, so Triton stays there (RESULTS.md, "The Mosaic grids' head axis"); only the Triton kernel takes the factors |
 | "pallas" chunk_o backward where the Mosaic one runs, K and V padded to at most 128 (jax >= 0.11) | the Mosaic GPU backward, one kernel | 1.2-1.4x faster than the Triton backward on an H200 (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU") |
 | "pallas" chunk_o backward where the Mosaic one runs, K or V padded above 128 (jax >= 0.11) | the Mosaic GPU backward, two kernels (``mosaic_bwd``) | at K = 256, chunk_o forward + backward on Mosaic GPU took 0.97-0.99x the Triton pair's time gated (M = 1..3), 0.90-0.94x ungated, one process on an H100, with the slower forward of the two (RESULTS.md, "The two-kernel Mosaic backward against the Triton one") |
 | "mosaic", the full op's other stages | the "pallas" rule | no Mosaic GPU kernel of theirs yet |
@@ -109,7 +110,7 @@ def chunk_o_backward_implementation(forward: str, dtype, key_dim: int, value_dim
                                      value_dim, chunk_size)
     if forward in ("mosaic", "mosaic_interpret") and fits:
         return forward
-    if forward == "pallas" and fits and mosaic_backward_by_default():
+    if forward == "pallas" and fits and mosaic_by_default():
         return "mosaic"
     return triton_counterpart(forward)
 
@@ -120,9 +121,9 @@ def mosaic_backward_supported(dtype, h_dtype, key_dim: int, value_dim: int,
     return mosaic_supported(dtype, h_dtype, key_dim, value_dim, chunk_size)
 
 
-def mosaic_backward_by_default() -> bool:
-    """Whether "pallas" takes chunk_o's Mosaic GPU backward: on the jax it was run and timed on
-    (0.11; on 0.10 it is only lowered, never run)."""
+def mosaic_by_default() -> bool:
+    """Whether "pallas" takes chunk_o's Mosaic GPU kernels where the module's table says so: on
+    the jax they were run and timed on (0.11; on 0.10 they are only lowered, never run)."""
     return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
@@ -136,15 +137,25 @@ def kernel_widths_supported(key_dim: int, value_dim: int) -> bool:
     return max(tile_width(key_dim), tile_width(value_dim)) <= KERNEL_MAX_WIDTH
 
 
+# "pallas" takes chunk_o's Mosaic GPU forward where K or V pads above this (the module's table).
+MOSAIC_FWD_MIN_WIDTH = 128
+
+
 def chunk_o_implementation(implementation: str, dtype, key_dim: int, value_dim: int,
-                           chunk_size: int, h_dtype=None) -> str:
+                           chunk_size: int, h_dtype=None, scaled: bool = False) -> str:
     """What chunk_gdp_fwd_o's forward runs for a resolved ``implementation`` (h_dtype: h's
-    dtype, default ``dtype``). Its backward: ``chunk_o_backward_implementation``."""
+    dtype, default ``dtype``). ``scaled``: the forward applies l2norm's factors
+    (``chunk_o_scaled_forward``), which only the Triton kernel takes, so "pallas" keeps it.
+    Its backward: ``chunk_o_backward_implementation``."""
+    mosaic = mosaic_supported(dtype, dtype if h_dtype is None else h_dtype, key_dim, value_dim,
+                              chunk_size)
     if implementation in ("mosaic", "mosaic_interpret"):
-        if mosaic_supported(dtype, dtype if h_dtype is None else h_dtype, key_dim, value_dim,
-                            chunk_size):
+        if mosaic:
             return implementation
         implementation = triton_counterpart(implementation)
+    if (implementation == "pallas" and mosaic and not scaled and mosaic_by_default()
+            and _mosaic_width(key_dim, value_dim) > MOSAIC_FWD_MIN_WIDTH):
+        return "mosaic"
     if implementation == "xla" or not kernel_dtype_supported(dtype):
         return "xla"
     if implementation == "pallas":

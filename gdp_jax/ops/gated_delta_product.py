@@ -217,7 +217,7 @@ def _l2norm_fused(config: _OpConfig, q, value_dim: int) -> bool:
     states = dispatch.states_implementation(config.implementation, q.dtype, key_dim, value_dim)
     chunk_o_forward = dispatch.chunk_o_implementation(
         config.implementation, q.dtype, key_dim, value_dim, config.chunk_size,
-        dispatch.work_dtype(q.dtype))
+        dispatch.work_dtype(q.dtype), scaled=True)
     value_width = tile_width(value_dim)
     walk_programs = batch * heads * (value_width // min(value_width, 64))
     return dispatch.l2norm_fused(states, chunk_o_forward, walk_programs)

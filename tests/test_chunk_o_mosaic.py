@@ -8,6 +8,7 @@ layouts, transposed wgmma operands and synchronisation are checked by the GPU te
 chunked form (gradients).
 """
 import functools
+import re
 
 import chex
 import jax
@@ -319,6 +320,24 @@ def test_full_op():
 
 
 @needs_interpreter
+def test_full_op_gradients_past_128():
+    """The route "pallas" takes past K = 128 on a GPU (jax >= 0.11), interpreted: chunk_o's
+    Mosaic forward reading the walk's sub-chunk states in place with h in the copy slots, and
+    the two-kernel Mosaic backward; every input's gradient against float64 autodiff of the
+    recurrence, with g, segments and an initial state."""
+    case = Case(90, 256, 128, 2, 64, dtype="bfloat16", batch=1)
+    assert dispatch.chunk_o_implementation("mosaic_interpret", jnp.dtype("bfloat16"), 256, 128,
+                                           64) == "mosaic_interpret"
+    assert default_block_sizes(256, 128, 2).h_in_copy_slots
+    assert mosaic_bwd.default_block_sizes(256, 128, 2).two_kernels
+    p = build(case)
+    op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
+                           segment_ids=p.segment_ids, chunk_size=64,
+                           implementation="mosaic_interpret")
+    check_gradients(p, op, qk_l2norm=False)
+
+
+@needs_interpreter
 def test_full_op_l2norm_gradients():
     """use_qk_l2norm's ungated gradient under "mosaic_interpret": q's normalisation VJP inside the
     Mosaic backward, k's inside the WY VJP kernel, no kernel of its own; every input's gradient
@@ -375,6 +394,35 @@ def test_compiled_form_lowers_for_cuda(case):
                                                         value_dim, 64) == "mosaic"
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     assert "mosaic_gpu" in module
+
+
+def test_pallas_route_past_128_lowers_for_cuda(monkeypatch):
+    """The full op under "pallas" at K = V = 256 where chunk_o's Mosaic kernels are the default
+    (jax >= 0.11; forced here), lowered for CUDA with Mosaic GPU's checks: differentiated, the
+    Mosaic forward (reading the walk's sub-chunk states in place) and the backward's two Mosaic
+    kernels beside the other stages' Triton kernels; undifferentiated with use_qk_l2norm and
+    2 * 16 * 4 walk programs, the fused forward's Triton chunk_o, which applies the factors."""
+    monkeypatch.setattr(dispatch, "mosaic_by_default", lambda: True)
+    spec = lambda *shape, dt="bfloat16": jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+    b, t, h, m, width = 2, 128, 16, 2, 256
+    args = (spec(b, t, h, width), spec(b, t * m, h, width), spec(b, t * m, h, width),
+            spec(b, t, h, dt="float32"), spec(b, t * m, h))
+    op = functools.partial(gdp_jax.chunk_gated_delta_product, use_qk_l2norm=True,
+                           implementation="pallas")
+    triton = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+    def lowered(fn):
+        module = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                   disabled_checks=triton)(*args).mlir_module()
+        return (len(re.findall(r"custom_call @mosaic_gpu\w*\(", module)),
+                re.findall(r'name = "(gdp_\w+)"', module))
+
+    loss = lambda *a: jnp.sum(op(*a)[0].astype(jnp.float32))
+    mosaic_calls, triton_kernels = lowered(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+    assert mosaic_calls == 3 and "gdp_chunk_o_fwd" not in triton_kernels, triton_kernels
+    assert "gdp_chunk_h_fwd" in triton_kernels and "gdp_wy_bwd" in triton_kernels
+    mosaic_calls, triton_kernels = lowered(lambda *a: op(*a)[0])
+    assert mosaic_calls == 0 and "gdp_chunk_o_fwd" in triton_kernels, triton_kernels
 
 
 # Two programs per SM of an H100 / H200: 228 KiB of SMEM, less 1 KiB reserved per block, halved.

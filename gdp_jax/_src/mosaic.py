@@ -161,6 +161,16 @@ def broadcast_columns(x, shape):
     return lax.broadcast_in_dim(x, shape, (1,))
 
 
+def chunk_grid(batch: int, num_chunks: int, heads: int, tiles: int = 0, tile_name: str = ""):
+    """(grid, grid_names) for one program per (batch row, chunk, head[, tile]). Mosaic GPU's grid
+    runs its last axis fastest. The tiles of one chunk therefore run side by side and share its
+    q, k or do reads through L2. The head comes next, so the programs in flight read and write
+    whole token rows across heads, not one head's slice of many rows (RESULTS.md, "The Mosaic
+    grids' fastest axis", "The Mosaic grids' head axis")."""
+    grid, names = (batch, num_chunks, heads), ("batch", "chunk", "head")
+    return (grid + (tiles,), names + (tile_name,)) if tiles else (grid, names)
+
+
 def kernel(body, *, out_type, scratch_types, grid, grid_names, interpret: bool, **body_kwargs):
     """``plgpu.kernel`` on one warpgroup per program, interpreted where asked.
     It calls ``body(*operand_and_output_refs, scratch=scratch_refs, interpret=interpret,

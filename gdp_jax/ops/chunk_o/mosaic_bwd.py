@@ -373,7 +373,8 @@ def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
     kwargs = dict(scale=scale, tokens=tokens, num_householder=m, heads=heads, has_g=has_g,
                   has_segments=has_segments)
 
-    def call(kernel, scratch, out_type, grid, grid_names, *operands):
+    def call(kernel, scratch, out_type, grid_and_names, *operands):
+        grid, grid_names = grid_and_names
         return mg.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
                          grid_names=grid_names, interpret=interpret, **kwargs)(*operands)
 
@@ -390,7 +391,7 @@ def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
         jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, value_dim), v.dtype),
         jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, bt), dtype),       # dA_m
         jax.ShapeDtypeStruct((2, batch, heads, padded_tokens), jnp.float32),
-    ), (batch, num_chunks, heads), ("batch", "chunk", "head"), q, k, v, do, *extras)
+    ), mg.chunk_grid(batch, num_chunks, heads), q, k, v, do, *extras)
 
     key_tiles = key_dim // TILE
     state_scratch = (
@@ -406,8 +407,7 @@ def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
         jax.ShapeDtypeStruct((batch, padded_tokens, heads, key_dim), dtype),
         jax.ShapeDtypeStruct(compact_state_shape(h), h.dtype),
         jax.ShapeDtypeStruct((key_tiles, batch, heads, padded_tokens), jnp.float32),
-    ), (batch, num_chunks, heads, key_tiles), ("batch", "chunk", "head", "key"),
-        q, k, h, do, da, *extras)
+    ), mg.chunk_grid(batch, num_chunks, heads, key_tiles, "key"), q, k, h, do, da, *extras)
     dg = None
     if has_g:
         dg = jnp.moveaxis(LN2 * (jnp.sum(dg_state, axis=0) + dg_z[0] - dg_z[1]), 1, 2)
@@ -442,11 +442,12 @@ def _one_kernel(q, k, v, h, g, runs, do, q_factor, *, scale, tokens, m, slots, i
         jax.ShapeDtypeStruct((2, batch, heads, padded_tokens), jnp.float32),
     )
 
-    call = mg.kernel(_kernel, out_type=out_type, scratch_types=scratch,
-                     grid=(batch, num_chunks, heads), grid_names=("batch", "chunk", "head"),
-                     interpret=interpret, scale=scale, tokens=tokens, num_householder=m,
-                     heads=heads, has_g=g is not None, has_segments=runs is not None,
-                     has_q_factor=q_factor is not None, slots=slots)
+    grid, grid_names = mg.chunk_grid(batch, num_chunks, heads)
+    call = mg.kernel(_kernel, out_type=out_type, scratch_types=scratch, grid=grid,
+                     grid_names=grid_names, interpret=interpret, scale=scale, tokens=tokens,
+                     num_householder=m, heads=heads, has_g=g is not None,
+                     has_segments=runs is not None, has_q_factor=q_factor is not None,
+                     slots=slots)
     dq, dk, dv, dh, dg_parts = call(q, k, v, h, do,
                                     *(x for x in (g, runs, q_factor) if x is not None))
     dg = None if g is None else jnp.moveaxis(dg_parts[0] - dg_parts[1], 1, 2)   # [B, Tp, H]

@@ -263,10 +263,10 @@ def chunk_o_fwd_mosaic(q, k, v, h, g, runs, *, scale: float, chunk_size: int,
         plgpu.Barrier(num_arrivals=1, num_barriers=sizes.slots),             # v slots
     )
 
+    grid, grid_names = mg.chunk_grid(batch, num_chunks, heads, value_dim // bv, "value")
     call = mg.kernel(
         _kernel, out_type=jax.ShapeDtypeStruct((batch, padded_tokens, heads, value_dim), v.dtype),
-        scratch_types=scratch, grid=(batch, num_chunks, heads, value_dim // bv),
-        grid_names=("batch", "chunk", "head", "value"), interpret=interpret, scale=scale,
+        scratch_types=scratch, grid=grid, grid_names=grid_names, interpret=interpret, scale=scale,
         tokens=tokens, num_householder=m, heads=heads, has_g=g is not None,
         has_segments=runs is not None, sizes=sizes)
     return call(*operands)[:, :tokens]

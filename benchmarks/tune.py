@@ -247,11 +247,11 @@ class ChunkOBwdMosaic(ChunkOFwdMosaic):
         sizes.check(shape["K"], shape["V"], shape["M"])
 
     def sweep(self, shape, default):
-        if default.key_tiled:
+        if default.two_kernels:
             return []
         # A second k / v slot outgrows SMEM at K = V = 128 (229 KiB).
         most = shape["M"] if max(shape["K"], shape["V"]) < 128 else 1
-        return ([dict(key_tiled=True, slots=1)]
+        return ([dict(two_kernels=True, slots=1)]
                 + [dict(slots=s) for s in range(1, most + 1) if s != default.slots])
 
 

@@ -118,7 +118,7 @@ def test_jit_vmap_grad():
 
 # The backward called directly on kernel_inputs (random q, k, v, h, decays, packings): every M
 # with and without g and segments, ragged and whole last chunks, K != V both ways, padded widths;
-# whole h tiles up to K = V = 128, the key-tiled form past it (K or V alone wide, both).
+# the one-kernel form up to K = V = 128, the two-kernel form past it (K or V alone wide, both).
 BWD_CASES = [
     Case(150, 64, 128, 2, 64, dtype="bfloat16"),
     Case(128, 128, 64, 3, 64, dtype="bfloat16", segments=False),
@@ -147,12 +147,11 @@ def test_backward_kernel(case):
 @pytest.mark.parametrize("case", [Case(150, 64, 128, 2, 64, dtype="bfloat16"),
                                   Case(77, 128, 64, 1, 64, dtype="float16", gated=False)],
                          ids=case_id)
-def test_backward_key_tiled_at_narrow_widths(case):
-    """The key-tiled form where the default takes whole tiles: the same sums, any width
-    (one key tile at K = 64)."""
+def test_backward_two_kernels_at_narrow_widths(case):
+    """The two-kernel form where the default launches one: the same sums, any width."""
     check_kernel(case, kernel=lambda *args: chunk_o_bwd_mosaic(
         *args, scale=case.key_dim ** -0.5, chunk_size=64, num_householder=case.m, interpret=True,
-        block_sizes=mosaic_bwd.BlockSizes(key_tiled=True)))
+        block_sizes=mosaic_bwd.BlockSizes(two_kernels=True)))
 
 
 @needs_interpreter
@@ -161,10 +160,10 @@ def test_backward_key_tiled_at_narrow_widths(case):
                                         (Case(64, 64, 64, 3, 64, dtype="bfloat16", segments=False), 3)],
                          ids=lambda x: f"slots{x}" if isinstance(x, int) else case_id(x))
 def test_backward_kv_slots(case, slots):
-    """Whole tiles with several k / v slots (copy m in slot m % slots): the same sums."""
+    """The one kernel with several k / v slots (copy m in slot m % slots): the same sums."""
     check_kernel(case, kernel=lambda *args: chunk_o_bwd_mosaic(
         *args, scale=case.key_dim ** -0.5, chunk_size=64, num_householder=case.m, interpret=True,
-        block_sizes=mosaic_bwd.BlockSizes(key_tiled=False, slots=slots)))
+        block_sizes=mosaic_bwd.BlockSizes(two_kernels=False, slots=slots)))
 
 
 @needs_interpreter
@@ -194,10 +193,10 @@ def test_backward_q_factor(case):
     chex.assert_trees_all_equal(got[1:], plain[1:])
 
 
-def test_backward_q_factor_needs_whole_tiles():
+def test_backward_q_factor_needs_one_kernel():
     case = Case(64, 192, 64, 1, 64, dtype="bfloat16", gated=False, segments=False)
     q, k, v, h, g, runs, do = kernel_inputs(case)
-    with pytest.raises(ValueError, match="q_factor needs the whole-tile backward"):
+    with pytest.raises(ValueError, match="q_factor needs the one-kernel backward"):
         chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, scale=0.1, chunk_size=64, num_householder=1,
                            interpret=True, q_factor=jnp.ones(q.shape[:3]))
     q, k, v, h, g, runs, do = kernel_inputs(Case(64, 64, 64, 1, 64, dtype="bfloat16",
@@ -214,19 +213,19 @@ def test_backward_q_factor_needs_whole_tiles():
 
 def test_backward_block_sizes_rule_and_check():
     rule = mosaic_bwd.default_block_sizes
-    assert rule(128, 128, 2) == mosaic_bwd.BlockSizes(key_tiled=False, slots=1)
-    assert rule(64, 64, 2) == mosaic_bwd.BlockSizes(key_tiled=False, slots=2)
-    assert rule(64, 64, 3) == mosaic_bwd.BlockSizes(key_tiled=False, slots=2)
-    assert rule(64, 64, 1) == mosaic_bwd.BlockSizes(key_tiled=False, slots=1)
-    assert rule(64, 128, 3) == mosaic_bwd.BlockSizes(key_tiled=False, slots=1)
-    assert rule(192, 64, 2) == mosaic_bwd.BlockSizes(key_tiled=True)
-    assert rule(64, 256, 3) == mosaic_bwd.BlockSizes(key_tiled=True)
-    with pytest.raises(ValueError, match="whole h tiles take K, V up to 128; got K = 256"):
-        mosaic_bwd.BlockSizes(key_tiled=False).check(256, 64, 2)
+    assert rule(128, 128, 2) == mosaic_bwd.BlockSizes(two_kernels=False, slots=1)
+    assert rule(64, 64, 2) == mosaic_bwd.BlockSizes(two_kernels=False, slots=2)
+    assert rule(64, 64, 3) == mosaic_bwd.BlockSizes(two_kernels=False, slots=2)
+    assert rule(64, 64, 1) == mosaic_bwd.BlockSizes(two_kernels=False, slots=1)
+    assert rule(64, 128, 3) == mosaic_bwd.BlockSizes(two_kernels=False, slots=1)
+    assert rule(192, 64, 2) == mosaic_bwd.BlockSizes(two_kernels=True)
+    assert rule(64, 256, 3) == mosaic_bwd.BlockSizes(two_kernels=True)
+    with pytest.raises(ValueError, match="one kernel takes K, V up to 128; got K = 256"):
+        mosaic_bwd.BlockSizes(two_kernels=False).check(256, 64, 2)
     with pytest.raises(ValueError, match=r"slots must be in \[1, M = 2\]; got 3"):
-        mosaic_bwd.BlockSizes(key_tiled=False, slots=3).check(64, 64, 2)
-    with pytest.raises(ValueError, match="the key-tiled one takes 1"):
-        mosaic_bwd.BlockSizes(key_tiled=True, slots=2).check(64, 64, 2)
+        mosaic_bwd.BlockSizes(two_kernels=False, slots=3).check(64, 64, 2)
+    with pytest.raises(ValueError, match="the two kernels take 1"):
+        mosaic_bwd.BlockSizes(two_kernels=True, slots=2).check(64, 64, 2)
 
 
 @needs_interpreter
@@ -286,7 +285,7 @@ def test_pallas_takes_the_mosaic_forward_past_128(dtype, key_dim, value_dim, chu
 @pytest.mark.parametrize("dtype,h_dtype,key_dim,value_dim,chunk_size,mosaic", [
     ("bfloat16", "bfloat16", 128, 100, 64, True),
     ("float16", "float16", 64, 64, 64, True),
-    ("bfloat16", "bfloat16", 192, 128, 64, True),      # past 128: the key-tiled backward
+    ("bfloat16", "bfloat16", 192, 128, 64, True),      # past 128: the two-kernel backward
     ("bfloat16", "bfloat16", 256, 256, 64, True),
     ("bfloat16", "bfloat16", 64, 320, 64, False),      # past 256: no Mosaic kernel
     ("bfloat16", "float32", 128, 128, 64, False),      # h of another dtype
@@ -296,7 +295,7 @@ def test_pallas_takes_the_mosaic_forward_past_128(dtype, key_dim, value_dim, chu
 def test_pallas_takes_the_mosaic_backward_where_it_runs(dtype, h_dtype, key_dim, value_dim,
                                                        chunk_size, mosaic, monkeypatch):
     """"pallas" (None's choice on a GPU) runs chunk_o's backward on Mosaic GPU where that kernel
-    runs (whole tiles or key-tiled), on jax >= 0.11 (where it was run and timed), and the Triton
+    runs (one kernel or two), on jax >= 0.11 (where it was run and timed), and the Triton
     backward elsewhere."""
     assert dispatch.mosaic_by_default() == (
         tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11))
@@ -324,13 +323,13 @@ def test_full_op():
 def test_full_op_gradients_past_128():
     """The route "pallas" takes past K = 128 on a GPU (jax >= 0.11), interpreted: chunk_o's
     Mosaic forward reading the walk's sub-chunk states in place with h in the copy slots, and
-    the key-tiled Mosaic backward; every input's gradient against float64 autodiff of the
+    the two-kernel Mosaic backward; every input's gradient against float64 autodiff of the
     recurrence, with g, segments and an initial state."""
     case = Case(90, 256, 128, 2, 64, dtype="bfloat16", batch=1)
     assert dispatch.chunk_o_implementation("mosaic_interpret", jnp.dtype("bfloat16"), 256, 128,
                                            64) == "mosaic_interpret"
     assert default_block_sizes(256, 128, 2).h_in_copy_slots
-    assert mosaic_bwd.default_block_sizes(256, 128, 2).key_tiled
+    assert mosaic_bwd.default_block_sizes(256, 128, 2).two_kernels
     p = build(case)
     op = functools.partial(gdp_jax.chunk_gated_delta_product, output_final_state=True,
                            segment_ids=p.segment_ids, chunk_size=64,
@@ -367,7 +366,7 @@ LOWERING_CASES = [  # (B, T, H, K, V, M, dtype, gated, segments, backward)
     (1, 128, 2, 64, 64, 2, "bfloat16", True, True, True),
     (1, 150, 2, 128, 128, 3, "bfloat16", True, True, True),
     (1, 100, 2, 64, 128, 1, "float16", False, False, True),
-    (1, 100, 2, 256, 256, 3, "bfloat16", True, True, True),      # the key-tiled backward
+    (1, 100, 2, 256, 256, 3, "bfloat16", True, True, True),      # the two-kernel backward
     (1, 100, 2, 192, 64, 2, "float16", False, False, True),
 ]
 
@@ -400,8 +399,8 @@ def test_compiled_form_lowers_for_cuda(case):
 def test_pallas_route_past_128_lowers_for_cuda(monkeypatch):
     """The full op under "pallas" at K = V = 256 where chunk_o's Mosaic kernels are the default
     (jax >= 0.11; forced here), lowered for CUDA with Mosaic GPU's checks: differentiated, the
-    Mosaic forward (reading the walk's sub-chunk states in place) and the key-tiled Mosaic
-    backward beside the other stages' Triton kernels; undifferentiated with use_qk_l2norm and
+    Mosaic forward (reading the walk's sub-chunk states in place) and the backward's two Mosaic
+    kernels beside the other stages' Triton kernels; undifferentiated with use_qk_l2norm and
     2 * 16 * 4 walk programs, the fused forward's Triton chunk_o, which applies the factors."""
     monkeypatch.setattr(dispatch, "mosaic_by_default", lambda: True)
     spec = lambda *shape, dt="bfloat16": jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
@@ -420,7 +419,7 @@ def test_pallas_route_past_128_lowers_for_cuda(monkeypatch):
 
     loss = lambda *a: jnp.sum(op(*a)[0].astype(jnp.float32))
     mosaic_calls, triton_kernels = lowered(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-    assert mosaic_calls == 2 and "gdp_chunk_o_fwd" not in triton_kernels, triton_kernels
+    assert mosaic_calls == 3 and "gdp_chunk_o_fwd" not in triton_kernels, triton_kernels
     assert "gdp_chunk_h_fwd" in triton_kernels and "gdp_wy_bwd" in triton_kernels
     mosaic_calls, triton_kernels = lowered(lambda *a: op(*a)[0])
     assert mosaic_calls == 0 and "gdp_chunk_o_fwd" in triton_kernels, triton_kernels

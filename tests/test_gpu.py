@@ -256,7 +256,7 @@ def test_chunk_o_bwd_shapes(case):
     Case(333, 96, 48, 2, 64, dtype="bfloat16", heads=3),       # widths padded to 64
     # K, V <= 64 and M >= 2: two k / v slots, copy 2 back in the first.
     Case(700, 48, 64, 3, 64, dtype="bfloat16", heads=3),
-    # Past 128: the key-tiled form.
+    # Past 128: the two-kernel form.
     Case(1000, 256, 256, 2, 64, dtype="bfloat16", heads=2),
     Case(1000, 256, 256, 3, 64, gated=False, segments=False, dtype="bfloat16", heads=2),
     Case(517, 200, 96, 1, 64, dtype="float16", heads=3),       # K padded to 256, V to 128
@@ -264,7 +264,7 @@ def test_chunk_o_bwd_shapes(case):
 ], ids=case_id)
 def test_chunk_o_bwd_mosaic(case):
     """The compiled Mosaic GPU backward on kernel_inputs against float64 autodiff of the dense
-    form: whole h tiles up to K, V = 128 (two k / v slots up to 64), key-tiled past it."""
+    form: one kernel up to K, V = 128 (two k / v slots up to 64), two past it."""
     check_chunk_o_bwd_mosaic(case)
 
 
@@ -380,7 +380,7 @@ FULL_OP_CASES = [
     (Case(517, 200, 256, 2, 64, dtype="bfloat16", heads=2), False),    # K = 256 (padded): its walks' 8 warps
     (Case(517, 256, 192, 2, 128, dtype="bfloat16", heads=2), False),   # K = 256 at chunks 128 and 32: the
     (Case(333, 200, 256, 3, 32, dtype="bfloat16", heads=2), False),    # walks' rows for chunks other than 64
-    (Case(700, 256, 256, 3, 64, gated=False, dtype="float16", heads=2), False),  # chunk_o's key-tiled
+    (Case(700, 256, 256, 3, 64, gated=False, dtype="float16", heads=2), False),  # chunk_o's two-kernel
                                                                        # Mosaic backward under "pallas"
     # use_qk_l2norm (raw q, k of varied norms): 16-bit inputs up to K = 128 take the keys'
     # normalisation VJP inside the WY VJP kernel (bfloat16 on its T^T dw route, float16 on its

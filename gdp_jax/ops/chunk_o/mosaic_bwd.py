@@ -14,21 +14,23 @@ chunk, head) on one warpgroup, every product a wgmma on SMEM tiles:
     dg = ln2 (dg_row - dg_col)                         summed in XLA from the two [B, H, T] parts
     with q_factor (q = r x, l2norm's rows):  dx = r (dq - q rowsum(q ⊙ dq)), dq being whole rows
 
-Past K, V = 128 the h and dh tiles outgrow SMEM (193 KiB at K = V = 128 already; h alone is
-128 KiB at K = V = 256). The key-tiled form keeps one program per (batch, chunk, head) and splits
-the state's sums by key tile instead:
+Past K, V = 128 those tiles outgrow SMEM (193 KiB at K = V = 128), so wider problems run two
+kernels that split the same sums by what they read:
 
-    copies, over whole rows:   per copy m: S_m, dA_m (kept in SMEM), dv_m, dk_m, the Z sums
-    then do's tile becomes wdo = scale w ⊙ do, and per key tile kb (64 keys):
-        dq[kb] = sum_m dA_m @ k_m[:, kb] + wdo @ h[kb]^T             [BT, 64]
-        dh[kb] = q[:, kb]^T @ wdo                                       [64, V]
-        dg_row += rowsum(q[:, kb] ⊙ (wdo @ h[kb]^T))                   the state's share
+    copies (batch, chunk, head):       per copy m: S_m, dA_m, dv_m, dk_m, the Z sums; dA_m stored
+    state  (batch, chunk, head, key tile), 64 keys kb each:
+        dq1    = do @ h[kb]^T                           [BT, 64]
+        dq[kb] = scale w ⊙ dq1 + sum_m dA_m @ k_m[:, kb]
+        dh[kb] = (scale w ⊙ q[:, kb])^T @ do            [64, V]  (the row weights on q, not do)
+        dg_row's state share, this key tile's part: scale w ⊙ rowsum(q[:, kb] ⊙ dq1)
+                                                       (= rowsum(do ⊙ (q[:, kb] @ h[kb])))
 
-h[kb] and k_m[:, kb] load into the SMEM the k and v tiles held (k_m again, from L2), so no tile
-is larger than [64, 256] and each input comes from HBM once: 216 KiB of SMEM at K = V = 256,
-M = 3, with S_m aliased to dk_m's tile. It replaced a two-kernel split that wrote dA_m out and
-read q, k and do twice, which capped it at about 75 % of the floor (RESULTS.md, "The key-tiled
-Mosaic backward"). In every grid the head is the second-fastest axis, so the programs in flight
+so no program holds h whole or more than one [64, V] accumulator: 208 KiB of SMEM for the copies
+kernel at K = V = 256, 128 KiB for the state kernel at V = 256, M = 3. The state kernel reads q,
+k and dA_m (16-bit, [BT, BT] per copy) once more than the one-kernel form would. The key tile is
+the state grid's last axis, the fastest of Mosaic GPU's row-major grid: the tiles of one chunk
+run side by side, so do and dA_m come from HBM once per chunk, not once per tile (RESULTS.md,
+"The Mosaic grids' fastest axis"). In every grid the head comes next, so the programs in flight
 read and write whole token rows across heads (``mosaic_fwd``; RESULTS.md, "The Mosaic grids'
 head axis").
 
@@ -59,19 +61,18 @@ from gdp_jax.ops.chunk_o.mosaic_fwd import chunk_weights, stream_operands
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Launch form; ``default_block_sizes`` picks it per shape."""
-    key_tiled: bool          # the key-tiled form (module docstring) instead of whole h tiles
-    slots: int = 1           # the whole-tile form's SMEM slots for the copies' k and v
+    two_kernels: bool        # the copies and state kernels instead of the one kernel
+    slots: int = 1           # the one kernel's SMEM slots for the Householder copies' k and v
 
     def check(self, key_dim: int, value_dim: int, num_householder: int) -> None:
         """Raises ValueError if the form does not fit a [K, V] problem of M copies."""
-        if not self.key_tiled and max(key_dim, value_dim) > ONE_KERNEL_WIDTH:
-            raise ValueError(f"whole h tiles take K, V up to {ONE_KERNEL_WIDTH}; got "
-                             f"K = {key_dim}, V = {value_dim}")
+        if not self.two_kernels and max(key_dim, value_dim) > ONE_KERNEL_WIDTH:
+            raise ValueError(f"one kernel takes K, V up to {ONE_KERNEL_WIDTH}; got K = {key_dim}, "
+                             f"V = {value_dim}")
         if not 1 <= self.slots <= max(num_householder, 1):
             raise ValueError(f"slots must be in [1, M = {num_householder}]; got {self.slots}")
-        if self.key_tiled and self.slots != 1:
-            raise ValueError(f"slots are the whole-tile form's; the key-tiled one takes 1, got "
-                             f"{self.slots}")
+        if self.two_kernels and self.slots != 1:
+            raise ValueError(f"slots are the one kernel's; the two kernels take 1, got {self.slots}")
 
 
 def default_block_sizes(key_dim: int, value_dim: int, num_householder: int) -> BlockSizes:
@@ -79,14 +80,14 @@ def default_block_sizes(key_dim: int, value_dim: int, num_householder: int) -> B
 
     | shape class | choice | why |
     |---|---|---|
-    | K, V <= 64, M >= 2 | whole tiles, two k / v slots | 104 KiB, still two programs per SM; 0.989-0.993x the time of one slot (RESULTS.md, "Read-only store waits; k / v slots") |
-    | K, V <= 128 | whole tiles, one k / v slot | 193 KiB at K = V = 128, each input read once (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU"); a second slot needs 229 KiB |
-    | K or V > 128 | key-tiled | whole h and dh tiles alone are 256 KiB at K = V = 256 |
+    | K, V <= 64, M >= 2 | one kernel, two k / v slots | 104 KiB, still two programs per SM; 0.989-0.993x the time of one slot (RESULTS.md, "Read-only store waits; k / v slots") |
+    | K, V <= 128 | one kernel, one k / v slot | 193 KiB at K = V = 128, each input read once (RESULTS.md, "chunk_gdp_fwd_o on Mosaic GPU"); a second slot needs 229 KiB |
+    | K or V > 128 | two kernels | one kernel's h and dh tiles alone are 256 KiB at K = V = 256 |
     """
     if max(key_dim, value_dim) > ONE_KERNEL_WIDTH:
-        return BlockSizes(key_tiled=True)
+        return BlockSizes(two_kernels=True)
     two_slots = max(key_dim, value_dim) <= TILE and num_householder >= 2
-    return BlockSizes(key_tiled=False, slots=2 if two_slots else 1)
+    return BlockSizes(two_kernels=False, slots=2 if two_slots else 1)
 
 
 def _copy_chunk_rows(q_g, do_g, g_g, sr_g, q_s, do_s, g_s, sr_s, in_bar, b, hd, rows):
@@ -247,41 +248,28 @@ def _kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int, 
     mg.wait_stores_read()
 
 
-def _key_tiled_kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
-                      has_g: bool, has_segments: bool, interpret: bool, scratch):
-    """The backward past K, V = 128 (module docstring): the copies' sums over whole rows, then
-    dh and dq one key tile at a time."""
+def _copies_kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
+                   has_g: bool, has_segments: bool, interpret: bool, scratch):
+    """The wide backward's per-copy sums: dk_m, dv_m, dA_m and the Z row / column sums."""
     m, bt = num_householder, CHUNK_SIZE
-    q_g, k_g, v_g, h_g, do_g = refs[:5]
-    g_g = refs[5] if has_g else None
-    sr_g = refs[5 + has_g] if has_segments else None
-    dq_g, dk_g, dv_g, dh_g, dg_g = refs[-5:]
-    (q_s, do_s, ((k_s, v_s), (h_s, kt_s)), da_s, (dk_s, s_s), dv_s, g_s, sr_s, dg_s,
-     in_bar, kv_bar, h_bar, kt_bar) = scratch
+    q_g, k_g, v_g, do_g = refs[:4]
+    g_g = refs[4] if has_g else None
+    sr_g = refs[4 + has_g] if has_segments else None
+    dk_g, dv_g, da_g, dg_g = refs[-4:]
+    (q_s, do_s, k_s, v_s, s_s, da_s, dk_s, dv_s, g_s, sr_s, dg_s, in_bar, kv_bar) = scratch
     hd, c, b = (lax.axis_index(n) for n in ("head", "chunk", "batch"))
     rows = pl.ds(c * bt, bt)
-    key_tiles = q_s.shape[1] // TILE
-    keys = lambda kb: pl.ds(kb * TILE, TILE)
-    h_at = chunk_state_index(len(h_g.shape), b, c, hd)        # h or its sub-chunk view
 
     g_copies = _copy_chunk_rows(q_g, do_g, g_g, sr_g, q_s, do_s, g_s, sr_s, in_bar, b, hd, rows)
 
     def load_kv(copy):
         plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd], k_s, kv_bar.at[0])
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, copy * heads + hd], v_s, kv_bar.at[1])
-
-    # Key tile kb's h[kb] and k_m[:, kb] go where the k and v tiles were.
-    def load_h(kb):
-        plgpu.copy_gmem_to_smem(h_g.at[h_at + (keys(kb),)], h_s, h_bar.at[0])
-
-    def load_k_tiles(kb):
-        for copy in range(m):
-            plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd, keys(kb)], kt_s.at[copy],
-                                    kt_bar.at[copy])
     load_kv(0)
 
-    w, weigh, below_diagonal = _pair_terms(tokens - c * bt, g_copies,
+    _, weigh, below_diagonal = _pair_terms(tokens - c * bt, g_copies,
                                            sr_s if has_segments else None, in_bar, interpret)
+
     plgpu.barrier_wait(in_bar.at[0])
     plgpu.barrier_wait(in_bar.at[1])
     dg_row = dg_col = None
@@ -292,101 +280,142 @@ def _key_tiled_kernel(*refs, scale: float, tokens: int, num_householder: int, he
         dpv = mg.dot_nt(do_s, v_s, interpret)                                # [BT, BT]
         if copy + 1 < m:                            # neither tile is read again
             load_kv(copy + 1)
-        else:                                       # the k / v tiles' SMEM is free
-            load_k_tiles(0)
-            load_h(0)
         d_score = weigh(scale * dpv)                                         # dA_m
         if has_g:
             dg_row, dg_col = _add_z_sums(dg_row, dg_col, score * (scale * dpv), below_diagonal)
-        mg.wait_stores_read()            # the previous copy's dk, dv have left
+        mg.wait_stores_read()            # the previous copy's dA, dk, dv have left
         s_s[...] = score.astype(s_s.dtype)
-        da_s.at[copy][...] = d_score.astype(da_s.dtype)
+        da_s[...] = d_score.astype(da_s.dtype)
         plgpu.commit_smem()
-        _store_dv_dk(s_s, da_s.at[copy], q_s, do_s, dv_s, dk_s,
-                     dv_g.at[b, rows, copy * heads + hd], dk_g.at[b, rows, copy * heads + hd],
-                     scale, interpret)
-
-    # do's last reader (dv_m's product) waited: its tile now holds scale w ⊙ do, which both
-    # state products read: dq[kb] = (scale w ⊙ do) @ h[kb]^T + ..., dh[kb] = q[:, kb]^T @ (...).
-    row_scale = scale if w.row_weight is None else scale * w.row_weight
-    do = mg.tile(do_s, interpret).astype(jnp.float32)
-    do_s[...] = (do * (row_scale if w.row_weight is None
-                       else mg.broadcast_rows(row_scale, do.shape))).astype(do_s.dtype)
-    plgpu.commit_smem()
-    # Each tile's loads go out as soon as the last product that reads its SMEM is waited, so
-    # that they overlap this key tile's remaining products and stores.
-    for kb in range(key_tiles):
-        q_kb = q_s.at[:, keys(kb)]
-
-        def copies(mma):
-            for copy in range(m):
-                plgpu.barrier_wait(kt_bar.at[copy])
-                mma(da_s.at[copy], kt_s.at[copy])
-        dq = mg.accumulate((bt, TILE), copies, interpret)                   # sum_m dA_m k_m[kb]
-        if kb + 1 < key_tiles:
-            load_k_tiles(kb + 1)
-        plgpu.barrier_wait(h_bar.at[0])
-        dq_state = mg.dot_nt(do_s, h_s, interpret)                          # [BT, 64]
-        if kb + 1 < key_tiles:
-            load_h(kb + 1)
-        dq = dq + dq_state
-        if has_g:                        # dg_row's state share, this key tile's part
-            q = mg.tile(q_kb, interpret).astype(jnp.float32)
-            dg_row = dg_row + jnp.sum(q * dq_state, axis=1)
-        dh = mg.dot_tn(q_kb, do_s, interpret)                               # dh[kb] [64, V]
-        mg.wait_stores_read()            # the previous tile's dh, dq (or dk, dv) have left
-        dv_s[...] = dh.astype(dv_s.dtype)
-        s_s[...] = dq.astype(s_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dv_s, dh_g.at[b, c, hd, keys(kb)])
-        plgpu.copy_smem_to_gmem(s_s, dq_g.at[b, rows, hd, keys(kb)])
+        plgpu.copy_smem_to_gmem(da_s, da_g.at[b, rows, copy * heads + hd])
+        _store_dv_dk(s_s, da_s, q_s, do_s, dv_s, dk_s, dv_g.at[b, rows, copy * heads + hd],
+                     dk_g.at[b, rows, copy * heads + hd], scale, interpret)
     if has_g:
-        _store_dg_parts(dg_s, dg_g, LN2 * dg_row, LN2 * dg_col, b, hd, rows)
+        _store_dg_parts(dg_s, dg_g, dg_row, dg_col, b, hd, rows)
     mg.wait_stores_read()
 
 
-def _key_tiled(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
-    """The backward past K, V = 128 (module docstring) on ``stream_operands``' padded inputs."""
+def _state_kernel(*refs, scale: float, tokens: int, num_householder: int, heads: int,
+                  has_g: bool, has_segments: bool, interpret: bool, scratch):
+    """The wide backward's key-tile sums: dq[kb], dh[kb] and dg_row's state share (its kb part)."""
+    m, bt = num_householder, CHUNK_SIZE
+    q_g, k_g, h_g, do_g, da_g = refs[:5]
+    g_g = refs[5] if has_g else None
+    sr_g = refs[5 + has_g] if has_segments else None
+    dq_g, dh_g, dg_g = refs[-3:]
+    (q_s, wq_s, do_s, h_s, k_s, da_s, g_s, sr_s, dg_s, in_bar, k_bar, da_bar) = scratch
+    kb, hd, c, b = (lax.axis_index(n) for n in ("key", "head", "chunk", "batch"))
+    rows, keys = pl.ds(c * bt, bt), pl.ds(kb * TILE, TILE)
+
+    plgpu.copy_gmem_to_smem(q_g.at[b, rows, hd, keys], q_s, in_bar.at[0])
+    plgpu.copy_gmem_to_smem(do_g.at[b, rows, hd], do_s, in_bar.at[1])
+    h_at = chunk_state_index(len(h_g.shape), b, c, hd)        # h or its sub-chunk view
+    plgpu.copy_gmem_to_smem(h_g.at[h_at + (keys,)], h_s, in_bar.at[2])
+    if has_g:
+        plgpu.copy_gmem_to_smem(g_g.at[b, hd, rows], g_s, in_bar.at[3])
+    if has_segments:
+        plgpu.copy_gmem_to_smem(sr_g.at[b, rows], sr_s, in_bar.at[4])
+    for copy in range(m):
+        plgpu.copy_gmem_to_smem(k_g.at[b, rows, copy * heads + hd, keys], k_s.at[copy],
+                                k_bar.at[copy])
+        plgpu.copy_gmem_to_smem(da_g.at[b, rows, copy * heads + hd], da_s.at[copy],
+                                da_bar.at[copy])
+
+    # scale w: [same(t, c0)] 2^g[t] scale per row (chunk_weights' row_weight), a [BT] row vector,
+    # or the scalar scale where w is all ones.
+    row_scale = scale
+    if has_segments:
+        plgpu.barrier_wait(in_bar.at[4])
+        row_scale = jnp.where(mg.row_vector(sr_s, interpret) == 0, scale, 0.0)
+    if has_g:
+        plgpu.barrier_wait(in_bar.at[3])
+        row_scale = row_scale * jnp.exp2(mg.row_vector(g_s, interpret))
+    by_row = lambda x: x * (row_scale if isinstance(row_scale, float)
+                            else mg.broadcast_rows(row_scale, x.shape))
+    plgpu.barrier_wait(in_bar.at[0])
+    q = mg.tile(q_s, interpret).astype(jnp.float32)                         # [BT, 64]
+    wq_s[...] = by_row(q).astype(wq_s.dtype)
+    plgpu.commit_smem()
+
+    plgpu.barrier_wait(in_bar.at[1])
+    plgpu.barrier_wait(in_bar.at[2])
+    dq1 = mg.dot_nt(do_s, h_s, interpret)                                   # [BT, 64]
+    h_s[...] = mg.dot_tn(wq_s, do_s, interpret).astype(h_s.dtype)           # dh[kb], via h's tile
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(h_s, dh_g.at[b, c, hd, keys])
+    dg_part = jnp.sum(q * dq1, axis=1) * row_scale if has_g else None
+
+    def copies(mma):
+        for copy in range(m):
+            plgpu.barrier_wait(k_bar.at[copy])
+            plgpu.barrier_wait(da_bar.at[copy])
+            mma(da_s.at[copy], k_s.at[copy])
+    dq = mg.accumulate((bt, TILE), copies, interpret) + by_row(dq1)
+    wq_s[...] = dq.astype(wq_s.dtype)               # wq's last reader (dh's product) waited
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(wq_s, dq_g.at[b, rows, hd, keys])
+    if has_g:
+        dg_s[...] = dg_part
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dg_s, dg_g.at[kb, b, hd, rows])
+    mg.wait_stores_read()
+
+
+def _wide(q, k, v, h, g, runs, do, *, scale, tokens, m, interpret):
+    """The two-kernel backward (module docstring) on ``stream_operands``' padded inputs."""
     batch, padded_tokens, heads, key_dim = q.shape
     value_dim, num_chunks, bt = v.shape[-1], h.shape[1], CHUNK_SIZE
+    has_g, has_segments = g is not None, runs is not None
+    extras = [x for x in (g, runs) if x is not None]
     dtype = q.dtype
     tiles = mg.tile_transforms(dtype)
     smem = lambda *shape: plgpu.SMEM(shape, dtype, transforms=tiles)
-    copy_tiles = (smem(bt, key_dim), smem(bt, value_dim))                    # k_m, v_m
-    key_tile = (smem(TILE, value_dim), smem(m, bt, TILE))                    # h[kb], k_m[:, kb]
-    scratch = (
-        smem(bt, key_dim), smem(bt, value_dim),                              # q, do
-        mg.aliased(copy_tiles, key_tile, interpret=interpret),
-        smem(m, bt, bt),                                                     # dA_m
-        # S_m is read (dv_m's product) before dk_m is written; then dq[kb]
-        mg.aliased(smem(bt, key_dim), smem(bt, bt), interpret=interpret),    # dk_m, S_m
-        smem(bt, value_dim),                                                 # dv_m, then dh[kb]
-        plgpu.SMEM((2, bt), jnp.float32), plgpu.SMEM((bt,), jnp.int32),     # g x2, starts
-        plgpu.SMEM((2, bt), jnp.float32),                                    # dg parts
-        plgpu.Barrier(num_arrivals=1, num_barriers=5),                   # q, do, g x2, starts
-        plgpu.Barrier(num_arrivals=1, num_barriers=2),                           # k, v
-        plgpu.Barrier(num_arrivals=1, num_barriers=1),                           # h[kb]
-        plgpu.Barrier(num_arrivals=1, num_barriers=m),                           # k_m[:, kb]
+    kwargs = dict(scale=scale, tokens=tokens, num_householder=m, heads=heads, has_g=has_g,
+                  has_segments=has_segments)
+
+    def call(kernel, scratch, out_type, grid_and_names, *operands):
+        grid, grid_names = grid_and_names
+        return mg.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
+                         grid_names=grid_names, interpret=interpret, **kwargs)(*operands)
+
+    copies_scratch = (
+        smem(bt, key_dim), smem(bt, value_dim), smem(bt, key_dim), smem(bt, value_dim),  # q do k v
+        smem(bt, bt), smem(bt, bt), smem(bt, key_dim), smem(bt, value_dim),      # S, dA, dk, dv
+        plgpu.SMEM((2, bt), jnp.float32), plgpu.SMEM((bt,), jnp.int32),         # g x2, starts
+        plgpu.SMEM((2, bt), jnp.float32),                                        # Z sums
+        plgpu.Barrier(num_arrivals=1, num_barriers=5),                 # q, do, g x2, starts
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),                             # k, v
     )
-    out_type = (
-        jax.ShapeDtypeStruct((batch, padded_tokens, heads, key_dim), q.dtype),
+    dk, dv, da, dg_z = call(_copies_kernel, copies_scratch, (
         jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, key_dim), k.dtype),
         jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, value_dim), v.dtype),
-        jax.ShapeDtypeStruct(compact_state_shape(h), h.dtype),
+        jax.ShapeDtypeStruct((batch, padded_tokens, m * heads, bt), dtype),       # dA_m
         jax.ShapeDtypeStruct((2, batch, heads, padded_tokens), jnp.float32),
+    ), mg.chunk_grid(batch, num_chunks, heads), q, k, v, do, *extras)
+
+    key_tiles = key_dim // TILE
+    state_scratch = (
+        smem(bt, TILE), smem(bt, TILE), smem(bt, value_dim), smem(TILE, value_dim),  # q, wq, do, h
+        smem(m, bt, TILE), smem(m, bt, bt),                                           # k_m, dA_m
+        plgpu.SMEM((bt,), jnp.float32), plgpu.SMEM((bt,), jnp.int32),               # g, starts
+        plgpu.SMEM((bt,), jnp.float32),                                              # dg part
+        plgpu.Barrier(num_arrivals=1, num_barriers=5),                 # q, do, h, g, starts
+        plgpu.Barrier(num_arrivals=1, num_barriers=m),                             # k_m
+        plgpu.Barrier(num_arrivals=1, num_barriers=m),                             # dA_m
     )
-    grid, grid_names = mg.chunk_grid(batch, num_chunks, heads)
-    call = mg.kernel(_key_tiled_kernel, out_type=out_type, scratch_types=scratch, grid=grid,
-                     grid_names=grid_names, interpret=interpret, scale=scale, tokens=tokens,
-                     num_householder=m, heads=heads, has_g=g is not None,
-                     has_segments=runs is not None)
-    dq, dk, dv, dh, dg_parts = call(q, k, v, h, do, *(x for x in (g, runs) if x is not None))
-    dg = None if g is None else jnp.moveaxis(dg_parts[0] - dg_parts[1], 1, 2)   # [B, Tp, H]
+    dq, dh, dg_state = call(_state_kernel, state_scratch, (
+        jax.ShapeDtypeStruct((batch, padded_tokens, heads, key_dim), dtype),
+        jax.ShapeDtypeStruct(compact_state_shape(h), h.dtype),
+        jax.ShapeDtypeStruct((key_tiles, batch, heads, padded_tokens), jnp.float32),
+    ), mg.chunk_grid(batch, num_chunks, heads, key_tiles, "key"), q, k, h, do, da, *extras)
+    dg = None
+    if has_g:
+        dg = jnp.moveaxis(LN2 * (jnp.sum(dg_state, axis=0) + dg_z[0] - dg_z[1]), 1, 2)
     return dq, dk, dv, dh, dg
 
 
 def _one_kernel(q, k, v, h, g, runs, do, q_factor, *, scale, tokens, m, slots, interpret):
-    """The whole-tile backward (K, V up to ONE_KERNEL_WIDTH) on ``stream_operands``' inputs;
+    """The one-kernel backward (K, V up to ONE_KERNEL_WIDTH) on ``stream_operands``' inputs;
     q_factor [B, H, Tp] float32 or None."""
     batch, padded_tokens, heads, key_dim = q.shape
     value_dim, num_chunks, bt = v.shape[-1], h.shape[1], CHUNK_SIZE
@@ -434,7 +463,7 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     float32 or None without g. Arguments as ``chunk_o_fwd_mosaic``'s, and do [B, T, H, V]. One
     kernel or two (module docstring): ``block_sizes``, default ``default_block_sizes``.
 
-    ``q_factor`` (whole tiles only): [B, T, H] float32 l2norm factors r_t = (|x_t|^2 + eps)^(-1/2)
+    ``q_factor`` (one kernel only): [B, T, H] float32 l2norm factors r_t = (|x_t|^2 + eps)^(-1/2)
     of raw queries x, q being their normalised rows r_t x_t (use_qk_l2norm): dq then comes as the
     cotangent of x, r_t (dq_t - q_t (q_t·dq_t)), from the dq tile the kernel holds whole, so that
     the normalisation's VJP costs no pass over HBM of its own."""
@@ -446,8 +475,8 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     sizes = block_sizes or default_block_sizes(key_dim, value_dim, m)
     sizes.check(key_dim, value_dim, m)
     if q_factor is not None:
-        if sizes.key_tiled:
-            raise ValueError("q_factor needs the whole-tile backward (K, V up to "
+        if sizes.two_kernels:
+            raise ValueError("q_factor needs the one-kernel backward (K, V up to "
                              f"{ONE_KERNEL_WIDTH}), whose dq tiles are whole rows; got "
                              f"K = {key_dim}, V = {value_dim} with {sizes}")
         if q_factor.shape != (batch, tokens, heads):
@@ -462,7 +491,7 @@ def chunk_o_bwd_mosaic(q, k, v, h, g, runs, do, *, scale: float, chunk_size: int
     runs_ = operands[-1] if runs is not None else None
     args = (q_, k_, v_, h_, g_, runs_, do_)
     kw = dict(scale=scale, tokens=tokens, m=m, interpret=interpret)
-    dq, dk, dv, dh, dg = (_key_tiled(*args, **kw) if sizes.key_tiled
+    dq, dk, dv, dh, dg = (_wide(*args, **kw) if sizes.two_kernels
                           else _one_kernel(*args, q_factor, slots=sizes.slots, **kw))
     dk = dk.reshape(batch, padded_tokens * m, heads, key_dim)
     dv = dv.reshape(batch, padded_tokens * m, heads, value_dim)
